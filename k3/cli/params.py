@@ -1,0 +1,53 @@
+"""k3 params: total and active parameters by component, counted on the meta device."""
+
+from __future__ import annotations
+
+import json
+
+from ..model.params import COMPONENTS, REPORTED, count_parameters
+from .common import add_model_arguments, config_from_args
+
+HELP = "count total and active parameters by component (no memory used: built on the meta device)"
+
+
+def add_arguments(p) -> None:
+    add_model_arguments(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _fmt(n: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.4g}{unit}"
+    return str(int(n))
+
+
+def run(args) -> int:
+    cfg = config_from_args(args)
+    r = count_parameters(cfg)
+    emb = r["by_component"]["embedding"]["total"]
+    r["active_with_embedding"] = r["active"] + (0 if cfg.tie_word_embeddings else emb)
+    reported = REPORTED.get(args.preset) if args.preset else None
+    if reported:
+        r["reported"] = reported
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    name = args.preset or args.config
+    print(f"{name}: {cfg.num_hidden_layers} layers ({len(cfg.kda_layers)} KDA, {len(cfg.full_attn_layers)} MLA), "
+          f"hidden {cfg.hidden_size}, {cfg.num_experts} experts top-{cfg.num_experts_per_token}")
+    print(f"{'component':<16}{'total':>20}{'active':>20}")
+    for c in COMPONENTS:
+        v = r["by_component"][c]
+        if v["total"]:
+            print(f"{c:<16}{v['total']:>20,}{v['active']:>20,}")
+    print(f"{'TOTAL':<16}{r['total']:>20,}{r['active']:>20,}")
+    print(f"total {_fmt(r['total'])}, active {_fmt(r['active'])} (head counted, input embedding not; MTP excluded); "
+          f"active incl. input embedding {_fmt(r['active_with_embedding'])}")
+    if reported:
+        dt = r["total"] / reported["total"] - 1
+        da = r["active"] / reported["active"] - 1
+        da_e = r["active_with_embedding"] / reported["active"] - 1
+        print(f"report: total {_fmt(reported['total'])} ({dt:+.2%}), active {_fmt(reported['active'])} "
+              f"({da:+.2%}; {da_e:+.2%} counting the input embedding)")
+    return 0

@@ -1,0 +1,66 @@
+"""Attention Residuals bookkeeping (SPEC §3): the depth stream every sub-layer reads from and writes to.
+
+Sources are counted in SUB-layers (attention, FFN). K3's block of 12 decoder layers is 24 sub-layers; a
+block size of 1 sub-layer makes every sub-layer output its own source, which is full AttnRes. The order
+matches the official forward: a sub-layer first mixes [completed blocks..., partial sum], then, at a block
+boundary, the partial is sealed into a block, then the sub-layer's output starts/extends the partial.
+
+Legend: B batch, T time, D hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...ops.attn_res import attn_res_mix
+from ..norm import RMSNorm
+
+
+class PseudoQuery(nn.Module):
+    """One AttnRes pseudo-query: ``proj`` (Linear D->1, zero init: uniform mixing) and the key ``norm``."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.proj = nn.Linear(dim, 1, bias=False)
+        nn.init.zeros_(self.proj.weight)
+        self.norm = RMSNorm(dim, eps)
+
+
+class DepthStream:
+    """Holds the sources of one forward pass. mode: "block"/"full" (AttnRes) or "none" (plain residual)."""
+
+    def __init__(self, embedding: torch.Tensor, mode: str, block_size: int, eps: float):
+        self.mode, self.block_size, self.eps = mode, block_size, eps
+        self.blocks: list[torch.Tensor] = []  # sealed blocks b_0 (the embedding), b_1, ...
+        self.partial: torch.Tensor | None = embedding  # running sum of the current block
+        self.sublayer = 0
+
+    def read(self, query: PseudoQuery | None) -> torch.Tensor:
+        """The input of the next sub-layer; seals a block when the sub-layer opens a new one."""
+        if self.mode == "none":
+            return self.partial
+        sources = self.blocks + ([self.partial] if self.partial is not None else [])
+        if len(sources) == 1:
+            h = sources[0]
+        else:
+            h = attn_res_mix(torch.stack(sources), query.proj.weight[0], query.norm.weight, self.eps)
+        if self.sublayer % self.block_size == 0 and self.partial is not None:
+            self.blocks.append(self.partial)
+            self.partial = None
+        self.sublayer += 1
+        return h
+
+    def write(self, out: torch.Tensor) -> None:
+        self.partial = out if self.partial is None else self.partial + out
+
+    def output(self, query: PseudoQuery | None) -> torch.Tensor:
+        """The final mix (output pseudo-query) before the last norm."""
+        if self.mode == "none":
+            return self.partial
+        sources = self.blocks + ([self.partial] if self.partial is not None else [])
+        return attn_res_mix(torch.stack(sources), query.proj.weight[0], query.norm.weight, self.eps)
+
+    @staticmethod
+    def sublayer_block_size(mode: str, decoder_block_size: int) -> int:
+        return 1 if mode == "full" else 2 * decoder_block_size

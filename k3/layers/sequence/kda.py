@@ -1,0 +1,120 @@
+"""KimiDeltaAttention: the linear-attention token mixer of 3 in 4 K3 layers (SPEC §2.1).
+
+Legend: B batch, T time, D hidden, H heads, K = V head dim, W conv width, N sequences.
+proj -> causal short conv -> SiLU -> (q, k: L2 norm per head); gate from a rank-K bottleneck;
+beta = sigmoid(b_proj x); delta-rule recurrence; per-head RMSNorm gated by sigmoid(g_proj x); o_proj.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ...config import K3Config
+from ...ops import kda as kda_ops
+from ...ops.norms import gated_rms_norm, l2_norm
+from ...ops.short_conv import short_conv
+
+
+@dataclass
+class KDAState:
+    """Per-request decode state, fixed size: the recurrent state and the three conv tails."""
+
+    recurrent: torch.Tensor  # [N,H,K,V] fp32
+    conv_q: torch.Tensor  # [N,H*K,W-1]
+    conv_k: torch.Tensor
+    conv_v: torch.Tensor
+
+
+class ShortConvolution(nn.Module):
+    """Depthwise causal conv; its parameter is ``weight`` [C,1,W] like the checkpoint's ``*_conv1d.weight``."""
+
+    def __init__(self, channels: int, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, width))
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Conv1d's default
+
+    def forward(self, x, state=None, cu_seqlens=None, output_final_state=False):
+        return short_conv(x, self.weight, state, cu_seqlens, output_final_state)
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config: K3Config, layer_idx: int = 0):
+        super().__init__()
+        D, H, K = config.hidden_size, config.kda_num_heads, config.kda_head_dim
+        self.layer_idx, self.num_heads, self.head_dim = layer_idx, H, K
+        self.gate_kind, self.lower_bound = config.gate, config.gate_lower_bound
+        self.backend = "auto"  # "auto" | "torch" | "fla", see k3.ops.kda
+        self.q_proj = nn.Linear(D, H * K, bias=False)
+        self.k_proj = nn.Linear(D, H * K, bias=False)
+        self.v_proj = nn.Linear(D, H * K, bias=False)
+        W = config.short_conv_kernel_size
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (ShortConvolution(H * K, W) for _ in range(3))
+        self.f_a_proj = nn.Linear(D, K, bias=False)  # gate bottleneck, rank = head dim
+        self.f_b_proj = nn.Linear(K, H * K, bias=False)
+        self.b_proj = nn.Linear(D, H, bias=False)
+        if config.use_full_rank_gate:
+            self.g_proj = nn.Linear(D, H * K, bias=False)
+        else:  # Kimi Linear's low-rank output gate
+            self.g_a_proj = nn.Linear(D, K, bias=False)
+            self.g_b_proj = nn.Linear(K, H * K, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(H))
+        self.dt_bias = nn.Parameter(torch.zeros(H * K))
+        self.o_norm = _HeadNorm(K, config.rms_norm_eps)
+        self.o_proj = nn.Linear(H * K, D, bias=False)
+        self.reset_gate_parameters()
+
+    @torch.no_grad()
+    def reset_gate_parameters(self, dt_min: float = 1e-3, dt_max: float = 0.1):
+        """Start with slow forgetting: at z = 0 each channel's decay -g is log-uniform in [dt_min, dt_max]
+        (Mamba's dt init, mapped through the gate's own nonlinearity)."""
+        dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(dt_min), math.log(dt_max)))
+        self.A_log.zero_()
+        if self.gate_kind == "lower_bound":
+            self.dt_bias.copy_(torch.logit(dt / -self.lower_bound))
+        else:
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+
+    def _output_gate(self, x):
+        return self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, state: KDAState | None = None,
+                output_state: bool = False) -> tuple[torch.Tensor, KDAState | None]:
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        want = output_state or state is not None
+        q, cq = self.q_conv1d(self.q_proj(x), state and state.conv_q, cu_seqlens, want)
+        k, ck = self.k_conv1d(self.k_proj(x), state and state.conv_k, cu_seqlens, want)
+        v, cv = self.v_conv1d(self.v_proj(x), state and state.conv_v, cu_seqlens, want)
+        q, k = l2_norm(q.view(B, T, H, K)), l2_norm(k.view(B, T, H, K))
+        v = v.view(B, T, H, K)
+        g = kda_ops.kda_gate(self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K), self.A_log, self.dt_bias,
+                             self.gate_kind, self.lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        lb = self.lower_bound if self.gate_kind == "lower_bound" else None
+        h0 = state.recurrent if state is not None else None
+        if T == 1 and cu_seqlens is None:  # decode: the recurrence itself on a fixed-size state
+            o, hT = kda_ops.recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=want,
+                                          lower_bound=lb, backend=self.backend)
+        else:  # training / prefill: chunkwise-parallel form
+            o, hT = kda_ops.chunk_kda(q, k, v, g, beta,
+                                      initial_state=h0, output_final_state=want, cu_seqlens=cu_seqlens,
+                                      lower_bound=lb, backend=self.backend)
+        o = self.o_norm(o, self._output_gate(x).view(B, T, H, K))
+        y = self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
+        return y, (KDAState(hT, cq, ck, cv) if want else None)
+
+
+class _HeadNorm(nn.Module):
+    """Per-head RMSNorm over the head's K channels, one weight shared by all heads, gated by sigmoid."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(o, gate, self.weight, self.eps)

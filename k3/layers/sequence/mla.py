@@ -1,0 +1,141 @@
+"""GatedMLA: multi-head latent attention with NoPE and a sigmoid output gate (SPEC §2.2).
+
+Legend: B batch, T query time, S key time, D hidden, H heads, Dn nope dim, Dr rope/pe dim, Dv value dim,
+R kv_lora_rank. Per token the cache is c_kv (R) + k_pe (Dr), shared by all heads.
+
+Two attention paths, chosen in ``forward``:
+- naive (training, prefill): expand c_kv to per-head k_nope and v, then ``scaled_dot_product_attention``;
+- absorbed (decode): fold W_uk into the query, attend in the R-dim latent space (MQA style), apply W_uv after.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...config import K3Config
+from ..norm import RMSNorm
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Interleaved-pair RoPE on the last dim (Kimi K2 only; K3's MLA is NoPE). x [B,T,*,Dr], positions [B,T]."""
+    Dr = x.shape[-1]
+    inv = theta ** (-torch.arange(0, Dr, 2, device=x.device, dtype=torch.float32) / Dr)
+    ang = positions.float()[..., None] * inv  # [B,T,Dr/2]
+    while ang.dim() < x.dim():
+        ang = ang.unsqueeze(-2)
+    cos, sin = ang.cos(), ang.sin()
+    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).to(x.dtype)
+
+
+def document_causal_mask(cu_seqlens: torch.Tensor, T: int, device) -> torch.Tensor:
+    """[T,T] boolean: query i may see key j iff j <= i and both lie in the same document."""
+    inner = cu_seqlens[1:-1].to(device)
+    doc = torch.zeros(T, dtype=torch.long, device=device)
+    doc.index_add_(0, inner[inner < T], torch.ones_like(inner[inner < T]))
+    doc = doc.cumsum(0)
+    pos = torch.arange(T, device=device)
+    return (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+
+
+class GatedMLA(nn.Module):
+    def __init__(self, config: K3Config, layer_idx: int = 0):
+        super().__init__()
+        D, H = config.hidden_size, config.num_attention_heads
+        self.layer_idx, self.num_heads = layer_idx, H
+        self.nope, self.pe, self.dv, self.rank = (config.qk_nope_head_dim, config.qk_rope_head_dim,
+                                                  config.v_head_dim, config.kv_lora_rank)
+        self.scale = config.qk_head_dim ** -0.5
+        self.use_rope, self.rope_theta = not config.mla_use_nope, config.rope_theta
+        self.fp32_attention = True  # attention output kept in fp32 while training (SPEC §2.2)
+        qd = H * config.qk_head_dim
+        if config.q_lora_rank:
+            self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=1e-6)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, qd, bias=False)
+        else:
+            self.q_proj = nn.Linear(D, qd, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, self.rank + self.pe, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.rank, eps=1e-6)
+        self.kv_b_proj = nn.Linear(self.rank, H * (self.nope + self.dv), bias=False)  # per head: [k_nope | v]
+        self.o_proj = nn.Linear(H * self.dv, D, bias=False)
+        self.g_proj = nn.Linear(D, H * self.dv, bias=False) if config.mla_use_output_gate else None
+
+    def _query(self, x):
+        B, T, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
+        q = q.view(B, T, self.num_heads, self.nope + self.pe)
+        return q[..., : self.nope], q[..., self.nope:]
+
+    def latent(self, x: torch.Tensor, positions: torch.Tensor | None = None):
+        """What the cache stores per token: c_kv [B,T,R] (normed) and k_pe [B,T,Dr]."""
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.pe], dim=-1)
+        if self.use_rope:
+            k_pe = rotary(k_pe, positions, self.rope_theta)
+        return self.kv_a_layernorm(c_kv), k_pe
+
+    def _gate_out(self, x, o):
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x).float())
+        return self.o_proj(o.to(x.dtype))
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Naive path over a whole (packed) sequence: training and prefill without a cache."""
+        B, T, _ = x.shape
+        H = self.num_heads
+        if self.use_rope and positions is None:
+            positions = _positions(B, T, cu_seqlens, x.device)
+        q_nope, q_pe = self._query(x)
+        c_kv, k_pe = self.latent(x, positions)
+        if self.use_rope:
+            q_pe = rotary(q_pe, positions, self.rope_theta)
+        k_nope, v = self.kv_b_proj(c_kv).view(B, T, H, self.nope + self.dv).split([self.nope, self.dv], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [B,H,T,Dn+Dr]
+        k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, T, H, self.pe)], dim=-1).transpose(1, 2)
+        v = v.transpose(1, 2)
+        if self.fp32_attention and self.training:
+            q, k, v = q.float(), k.float(), v.float()
+        if cu_seqlens is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            mask = document_causal_mask(cu_seqlens, T, x.device)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        o = o.transpose(1, 2).reshape(B, T, H * self.dv)
+        return self._gate_out(x, o)
+
+    def absorbed_weights(self):
+        """W_uk [H,Dn,R] and W_uv [H,Dv,R], views into kv_b_proj."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.dv, self.rank)
+        return w[:, : self.nope], w[:, self.nope:]
+
+    def attend_absorbed(self, x: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                        mask: torch.Tensor | None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode path: x [B,T,D] new tokens; c_kv [B,S,R], k_pe [B,S,Dr] the cache INCLUDING the new tokens;
+        mask [B,T,S] boolean (True = may attend) or None for all-visible."""
+        B, T, _ = x.shape
+        q_nope, q_pe = self._query(x)
+        if self.use_rope:
+            q_pe = rotary(q_pe, positions, self.rope_theta)
+        w_uk, w_uv = self.absorbed_weights()
+        q_lat = torch.einsum("bthn,hnr->bthr", q_nope.float(), w_uk.float())  # query moved into latent space
+        scores = (torch.einsum("bthr,bsr->bhts", q_lat, c_kv.float())
+                  + torch.einsum("bthp,bsp->bhts", q_pe.float(), k_pe.float())) * self.scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask[:, None], float("-inf"))
+        o_lat = torch.einsum("bhts,bsr->bthr", scores.softmax(-1), c_kv.float())
+        o = torch.einsum("bthr,hvr->bthv", o_lat, w_uv.float()).reshape(B, T, -1)
+        return self._gate_out(x, o)
+
+
+def _positions(B, T, cu_seqlens, device):
+    pos = torch.arange(T, device=device)
+    if cu_seqlens is not None:
+        cu = cu_seqlens.to(device)
+        inner, keep = cu[1:-1], cu[1:-1] < T
+        starts = torch.zeros(T, dtype=torch.long, device=device)
+        starts.index_add_(0, inner[keep], (inner - cu[:-2])[keep])  # each boundary adds its previous doc's length
+        pos = pos - starts.cumsum(0)
+    return pos[None].expand(B, T)

@@ -1,0 +1,85 @@
+"""Stable LatentMoE (SPEC §4): routed experts in a half-width latent space, RMSNorm on their sum, and
+full-width shared experts.
+
+Legend: N tokens, D hidden, L latent width (= D for a plain MoE), I expert intermediate, E experts, k top-k,
+M = N*k routed rows. y = shared(x) + W_up RMSNorm(sum_j p_j E_j(W_down x)).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ...config import K3Config
+from ...ops.grouped_mm import grouped_mm
+from ...ops.situ import glu
+from ..norm import RMSNorm
+from .mlp import GatedMLP
+from .router import Router
+
+
+class ExpertBank(nn.Module):
+    """All routed experts as 3-D tensors: w1 (gate) and w3 (up) [E,I,L], w2 (down) [E,L,I].
+
+    The checkpoint stores them per expert as ``experts.{e}.w{1,2,3}.weight``; k3.checkpoint converts.
+    """
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        E, L, I = config.num_experts, config.expert_dim, config.moe_intermediate_size
+        self.w1 = nn.Parameter(torch.empty(E, I, L))
+        self.w3 = nn.Parameter(torch.empty(E, I, L))
+        self.w2 = nn.Parameter(torch.empty(E, L, I))
+        for w in (self.w1, self.w3, self.w2):
+            nn.init.uniform_(w, -1 / math.sqrt(w.shape[-1]), 1 / math.sqrt(w.shape[-1]))
+        self.act = config.hidden_act
+        self.b1, self.b2 = config.activation_situ_beta, config.activation_situ_linear_beta
+
+    def forward(self, z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """z [N,L], weights/idx [N,k] -> sum_j w_j E_j(z) [N,L] in fp32."""
+        N, k = idx.shape
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)  # rows grouped by expert
+        counts = torch.bincount(flat, minlength=self.w1.shape[0])
+        token = order // k
+        zs = z[token]  # [M,L]
+        h = glu(grouped_mm(zs, self.w1, counts), grouped_mm(zs, self.w3, counts), self.act, self.b1, self.b2)
+        out = grouped_mm(h, self.w2, counts).float() * weights.reshape(-1)[order, None]
+        return torch.zeros(N, z.shape[-1], dtype=torch.float32, device=z.device).index_add_(0, token, out)
+
+
+class LatentMoE(nn.Module):
+    def __init__(self, config: K3Config):
+        super().__init__()
+        D = config.hidden_size
+        self.gate = Router(config)
+        if config.latent_moe:
+            L = config.routed_expert_hidden_size
+            self.routed_expert_down_proj = nn.Linear(D, L, bias=False)
+            self.routed_expert_up_proj = nn.Linear(L, D, bias=False)
+            self.routed_expert_norm = RMSNorm(L, config.rms_norm_eps) if config.latent_moe_use_norm else None
+        else:
+            self.routed_expert_down_proj = self.routed_expert_up_proj = self.routed_expert_norm = None
+        self.experts = ExpertBank(config)
+        shared = config.moe_intermediate_size * config.num_shared_experts
+        self.shared_experts = GatedMLP(config, D, shared) if shared else None
+        self.record_routing = False  # the trainer's balancer reads self.last_routing when set
+        self.last_routing: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # [N,D]
+        weights, idx, scores = self.gate(x)
+        if self.record_routing:
+            self.last_routing = (scores.detach(), idx.detach())
+        z = self.routed_expert_down_proj(x) if self.routed_expert_down_proj is not None else x
+        u = self.experts(z, weights, idx)  # [N,L] fp32
+        if self.routed_expert_norm is not None:
+            u = self.routed_expert_norm(u)
+        u = u.to(x.dtype)
+        y = self.routed_expert_up_proj(u) if self.routed_expert_up_proj is not None else u
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y.reshape(shape)

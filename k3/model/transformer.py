@@ -1,0 +1,121 @@
+"""K3Model (the trunk) and K3ForCausalLM (trunk + head + optional MTP), SPEC §1-§4.
+
+Legend: B batch, T time, D hidden, V vocab. Single-device code; parallelism wraps it from k3.distributed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import K3Config
+from ..layers.depth.attn_res import DepthStream, PseudoQuery
+from ..layers.norm import RMSNorm
+from .block import DecoderLayer, _Query
+from .init import init_weights
+from .mtp import MTPLayer
+
+
+class K3Model(nn.Module):
+    def __init__(self, config: K3Config):
+        super().__init__()
+        self.config = config
+        D = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, D)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(D, config.rms_norm_eps)
+        if config.attn_res != "none":
+            q = PseudoQuery(D, config.rms_norm_eps)
+            self.output_attn_res_proj, self.output_attn_res_norm = q.proj, q.norm
+        self.gradient_checkpointing = False
+
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B,T] -> pre-final-norm hidden [B,T,D] (the final AttnRes mix)."""
+        c = self.config
+        stream = DepthStream(self.embed_tokens(input_ids), c.attn_res,
+                             DepthStream.sublayer_block_size(c.attn_res, c.attn_res_block_size), c.rms_norm_eps)
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training:
+                _checkpointed(layer, stream, cu_seqlens)
+            else:
+                layer(stream, cu_seqlens)
+        q = _Query(self.output_attn_res_proj, self.output_attn_res_norm) if c.attn_res != "none" else None
+        return stream.output(q)
+
+
+def _checkpointed(layer: DecoderLayer, stream: DepthStream, cu_seqlens) -> None:
+    """Recompute one layer in backward: the stream's tensors go in, the new ones come out."""
+    from torch.utils.checkpoint import checkpoint
+
+    n_blocks, had_partial = len(stream.blocks), stream.partial is not None
+    state = (list(stream.blocks), stream.partial, stream.sublayer)
+
+    def run(*tensors):
+        s = DepthStream.__new__(DepthStream)
+        s.mode, s.block_size, s.eps = stream.mode, stream.block_size, stream.eps
+        s.blocks, s.partial, s.sublayer = list(tensors[:n_blocks]), tensors[n_blocks] if had_partial else None, state[2]
+        layer(s, cu_seqlens)
+        return (*s.blocks[n_blocks:], s.partial)
+
+    inputs = state[0] + ([state[1]] if had_partial else [])
+    outs = checkpoint(run, *inputs, use_reentrant=False)
+    stream.blocks = state[0] + list(outs[:-1])
+    stream.partial = outs[-1]
+    stream.sublayer = state[2] + 2
+
+
+class K3ForCausalLM(nn.Module):
+    def __init__(self, config: K3Config):
+        super().__init__()
+        self.config = config
+        self.model = K3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp = nn.ModuleList(MTPLayer(config, i) for i in range(config.num_nextn_predict_layers))
+        init_weights(self, config.num_hidden_layers)
+
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, mtp_weight: float = 0.3) -> dict:
+        """Returns {"logits" [B,T,V]} and, with ``labels`` (same layout as input_ids, shifted inside;
+        -100 = ignore), "loss" = next-token CE (+ mtp_weight * "mtp_loss" when the config has MTP layers).
+        With ``cu_seqlens`` (B = 1, packed documents) no position predicts across a document boundary."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B,T]; got shape {tuple(input_ids.shape)}")
+        if cu_seqlens is not None and input_ids.shape[0] != 1:
+            raise ValueError("packed documents (cu_seqlens) need input_ids of batch 1: [1, total_tokens]")
+        h = self.model(input_ids, cu_seqlens)
+        logits = self.lm_head(self.model.norm(h))
+        out = {"logits": logits}
+        if labels is None:
+            return out
+        loss = _shifted_ce(logits, labels, 1, cu_seqlens)
+        out["lm_loss"] = loss
+        if len(self.mtp):
+            mtp_losses = []
+            for i, layer in enumerate(self.mtp):
+                k = i + 1  # layer i predicts token t + 1 + k from h_t and token t + k
+                nxt = torch.roll(input_ids, -k, dims=1)
+                h = layer(h, self.model.embed_tokens(nxt), cu_seqlens)
+                mtp_losses.append(_shifted_ce(self.lm_head(h), labels, 1 + k, cu_seqlens))
+            out["mtp_loss"] = torch.stack(mtp_losses).mean()
+            loss = loss + mtp_weight * out["mtp_loss"]
+        out["loss"] = loss
+        return out
+
+
+def _shifted_ce(logits, labels, shift: int, cu_seqlens) -> torch.Tensor:
+    """Cross-entropy of logits at t against labels at t + shift, never across a document boundary."""
+    B, T, V = logits.shape
+    tgt = torch.full_like(labels, -100)
+    tgt[:, : T - shift] = labels[:, shift:]
+    if cu_seqlens is not None:
+        doc = torch.zeros(T, dtype=torch.long, device=labels.device)
+        inner = cu_seqlens[1:-1].to(labels.device)
+        doc.index_add_(0, inner[inner < T], torch.ones_like(inner[inner < T]))
+        doc = doc.cumsum(0)
+        cross = torch.ones(T, dtype=torch.bool, device=labels.device)
+        cross[: T - shift] = doc[shift:] != doc[: T - shift]
+        tgt[:, cross] = -100
+    return F.cross_entropy(logits.float().reshape(-1, V), tgt.reshape(-1), ignore_index=-100)

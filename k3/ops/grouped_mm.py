@@ -1,0 +1,26 @@
+"""Grouped matmul for routed experts: rows sorted by expert, one matmul per expert group.
+
+Legend: M routed rows, E experts, I in features, O out features. w [E,O,I] (the official [out, in] per expert).
+On CUDA in bf16 with aligned shapes this is one ``torch._grouped_mm`` call; elsewhere a loop over experts
+(never over tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["grouped_mm"]
+
+
+def _can_fuse(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+            and hasattr(torch, "_grouped_mm") and x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x [M,I] sorted by expert, counts [E] rows per expert (sum M) -> [M,O]."""
+    if _can_fuse(x, w):
+        offs = counts.cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, w.transpose(-1, -2), offs=offs)
+    outs = [xe @ w[e].T for e, xe in enumerate(x.split(counts.tolist())) if xe.shape[0]]
+    return torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])

@@ -1,0 +1,33 @@
+"""Router math (SPEC §4): sigmoid scores, top-k on score + bias, weights from the unbiased scores.
+
+Legend: N tokens, E experts, k experts per token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["router_scores", "select_experts"]
+
+
+def router_scores(logits: torch.Tensor, score_func: str = "sigmoid") -> torch.Tensor:
+    if score_func == "sigmoid":
+        return torch.sigmoid(logits.float())
+    if score_func == "softmax":
+        return torch.softmax(logits.float(), dim=-1)
+    raise ValueError(f"unknown router score function {score_func!r}; expected 'sigmoid' or 'softmax'")
+
+
+def select_experts(scores: torch.Tensor, bias: torch.Tensor | None, k: int, renormalize: bool = True,
+                   scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [N,E] -> (weights [N,k] fp32, indices [N,k]).
+
+    The bias only decides WHICH experts are chosen (it carries no gradient and never enters the weights):
+    that is what lets Quantile Balancing move load without changing what a chosen expert contributes.
+    """
+    biased = scores if bias is None else scores + bias.detach().float()
+    idx = biased.topk(k, dim=-1).indices
+    w = scores.gather(-1, idx)
+    if renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * scaling, idx

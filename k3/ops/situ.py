@@ -6,23 +6,25 @@ Computed in fp32, returned in the input dtype.
 from __future__ import annotations
 
 import torch
+
+from .precision import upcast
 import torch.nn.functional as F
 
 __all__ = ["situ", "situ_glu", "swiglu", "glu"]
 
 
 def situ(x: torch.Tensor, beta: float) -> torch.Tensor:
-    xf = x.float()
+    xf = upcast(x)
     return (beta * torch.tanh(xf / beta) * torch.sigmoid(xf)).to(x.dtype)
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
-    g, u = gate.float(), up.float()
+    g, u = upcast(gate), upcast(up)
     return (beta1 * torch.tanh(g / beta1) * torch.sigmoid(g) * (beta2 * torch.tanh(u / beta2))).to(gate.dtype)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+    return (F.silu(upcast(gate)) * upcast(up)).to(gate.dtype)
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor, activation: str, beta1: float = 4.0, beta2: float = 25.0):

@@ -1,0 +1,33 @@
+import torch
+
+from k3.ops.routing import router_scores, select_experts
+
+
+def test_bias_changes_choice_never_weights_of_chosen():
+    scores = router_scores(torch.randn(64, 16))
+    w0, i0 = select_experts(scores, None, 4)
+    bias = torch.zeros(16)
+    bias[3] = 5.0  # force expert 3 into every token's top-4
+    w1, i1 = select_experts(scores, bias, 4)
+    assert (i1 == 3).any(-1).all() and not (i0 == 3).any(-1).all()
+    # weights are the chosen experts' own (unbiased) scores, renormalised over the chosen set
+    chosen = scores.gather(-1, i1)
+    torch.testing.assert_close(w1, chosen / chosen.sum(-1, keepdim=True))
+    # for a token whose choice did not change, its weights are identical with or without the bias
+    same = (i0.sort(-1).values == i1.sort(-1).values).all(-1)
+    assert same.any()
+    w0s = w0.gather(-1, i0.argsort(-1)).gather(-1, i0.sort(-1).values.argsort(-1).argsort(-1))
+    for t in torch.nonzero(same).flatten():
+        a = dict(zip(i0[t].tolist(), w0[t].tolist()))
+        b = dict(zip(i1[t].tolist(), w1[t].tolist()))
+        assert a.keys() == b.keys() and all(abs(a[e] - b[e]) < 1e-6 for e in a)
+    del w0s
+
+
+def test_bias_carries_no_gradient_and_scaling_applies():
+    logits = torch.randn(8, 6, requires_grad=True)
+    bias = torch.randn(6, requires_grad=True)
+    w, _ = select_experts(router_scores(logits), bias, 2, scaling=2.5)
+    torch.testing.assert_close(w.sum(-1), torch.full((8,), 2.5))
+    w.pow(2).sum().backward()
+    assert bias.grad is None and logits.grad is not None

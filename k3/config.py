@@ -124,6 +124,8 @@ class K3Config:
         ch: dict[str, Any] = {}
         if attn_res is not None:
             ch["attn_res"] = attn_res
+            if attn_res == "none":  # the block size means nothing then; keep the canonical default
+                ch["attn_res_block_size"] = K3Config.attn_res_block_size
         if gate is not None:
             ch["gate"] = gate
         if activation is not None:
@@ -193,7 +195,9 @@ class K3Config:
         names = {f.name for f in dataclasses.fields(cls)} - {"extra", "top_level"}
         extra = {}
         for k, v in d.items():
-            if k in names and k not in kw:
+            if k in kw:
+                continue
+            if k in names:
                 kw[k] = v
             elif k in _PASSTHROUGH or k in ("n_routed_experts",):
                 extra[k] = v
@@ -216,15 +220,13 @@ class K3Config:
         for f in dataclasses.fields(self):
             if f.name not in skip:
                 d[f.name] = getattr(self, f.name)
-        if self.kda_layers or self.extra.get("__linear_extra__") is not None or self.full_attn_layers != tuple(
-                range(1, self.num_hidden_layers + 1)):
+        if True:  # always written, also for all-MLA models, so that the KDA settings round-trip
             lin = {"num_heads": self.kda_num_heads, "head_dim": self.kda_head_dim,
                    "short_conv_kernel_size": self.short_conv_kernel_size,
                    "full_attn_layers": list(self.full_attn_layers), "kda_layers": list(self.kda_layers)}
             if self.gate == "lower_bound":
                 lin["gate_lower_bound"] = self.gate_lower_bound
-            if self.use_full_rank_gate:
-                lin["use_full_rank_gate"] = True
+            lin["use_full_rank_gate"] = self.use_full_rank_gate
             lin.update(self.extra.get("__linear_extra__") or {})
             d["linear_attn_config"] = lin
         if self.attn_res != "none":

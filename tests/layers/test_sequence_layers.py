@@ -1,0 +1,67 @@
+import pytest
+import torch
+
+from k3 import K3Config
+from k3.layers.sequence.kda import KimiDeltaAttention
+from k3.layers.sequence.mla import GatedMLA, document_causal_mask
+
+
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
+def test_kda_decode_token_by_token_equals_full_forward(gate):
+    cfg = K3Config.preset("tiny").variant(gate=gate)
+    layer = KimiDeltaAttention(cfg).eval()
+    x = torch.randn(2, 19, cfg.hidden_size)
+    full, _ = layer(x)
+    y1, st = layer(x[:, :7], output_state=True)  # chunked prefill
+    outs = [y1]
+    for t in range(7, 19):  # then decode, one token at a time on the fixed-size state
+        yt, st = layer(x[:, t:t + 1], state=st)
+        outs.append(yt)
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-4)
+    assert st.recurrent.shape == (2, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim)
+
+
+def test_kda_packed_documents_are_independent():
+    cfg = K3Config.preset("tiny")
+    layer = KimiDeltaAttention(cfg)
+    a, b = torch.randn(1, 9, cfg.hidden_size), torch.randn(1, 14, cfg.hidden_size)
+    packed, _ = layer(torch.cat([a, b], 1), cu_seqlens=torch.tensor([0, 9, 23]))
+    torch.testing.assert_close(packed[:, :9], layer(a)[0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(packed[:, 9:], layer(b)[0], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "kimi-k2-like"])
+def test_mla_absorbed_equals_naive(preset):
+    cfg = K3Config.preset("tiny")
+    if preset == "kimi-k2-like":
+        cfg = cfg.replace(mla_use_nope=False, mla_use_output_gate=False, q_lora_rank=None)
+    layer = GatedMLA(cfg).eval()
+    x = torch.randn(2, 10, cfg.hidden_size)
+    pos = torch.arange(10)[None].expand(2, 10)
+    naive = layer(x, positions=pos)
+    c_kv, k_pe = layer.latent(x, pos)
+    mask = torch.ones(10, 10, dtype=torch.bool).tril()[None].expand(2, 10, 10)
+    absorbed = layer.attend_absorbed(x, c_kv, k_pe, mask, pos)
+    torch.testing.assert_close(absorbed, naive, atol=1e-5, rtol=1e-4)
+
+
+def test_mla_cache_is_position_independent_with_nope():
+    cfg = K3Config.preset("tiny")
+    layer = GatedMLA(cfg)
+    x = torch.randn(1, 5, cfg.hidden_size)
+    c1, p1 = layer.latent(x)
+    c2, p2 = layer.latent(x, torch.arange(100, 105)[None])
+    torch.testing.assert_close(c1, c2)
+    torch.testing.assert_close(p1, p2)
+    assert c1.shape[-1] + p1.shape[-1] == cfg.kv_lora_rank + cfg.qk_rope_head_dim
+
+
+def test_mla_packed_documents_are_independent():
+    cfg = K3Config.preset("tiny")
+    layer = GatedMLA(cfg)
+    a, b = torch.randn(1, 6, cfg.hidden_size), torch.randn(1, 8, cfg.hidden_size)
+    packed = layer(torch.cat([a, b], 1), cu_seqlens=torch.tensor([0, 6, 14]))
+    torch.testing.assert_close(packed[:, :6], layer(a), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(packed[:, 6:], layer(b), atol=1e-5, rtol=1e-4)
+    m = document_causal_mask(torch.tensor([0, 2, 5]), 5, "cpu")
+    assert m.tolist()[3] == [False, False, True, True, False]

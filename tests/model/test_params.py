@@ -1,0 +1,32 @@
+import pytest
+
+from k3 import K3Config
+from k3.model.params import count_parameters
+
+
+def test_kimi_k3_matches_the_report():
+    r = count_parameters(K3Config.preset("kimi-k3"))
+    assert r["total"] == pytest.approx(2779.5e9, rel=3e-3)
+    assert r["active"] == pytest.approx(104.19e9, rel=3e-3)
+    by = r["by_component"]
+    assert by["mtp"]["total"] == 0 and by["embedding"]["active"] == 0
+    assert by["routed_experts"]["active"] == round(by["routed_experts"]["total"] * 16 / 896)
+
+
+def test_kimi_k2_matches_the_report():
+    r = count_parameters(K3Config.preset("kimi-k2"))
+    assert r["total"] == pytest.approx(1026e9, rel=1e-2)
+    # K2's published 32.6B active counts the input embedding (DeepSeek-V3's convention)
+    emb = r["by_component"]["embedding"]["total"]
+    assert r["active"] + emb == pytest.approx(32.6e9, rel=1e-2)
+
+
+def test_small_presets_sizes():
+    assert count_parameters(K3Config.preset("tiny"))["total"] < 2_000_000
+    assert 100e6 <= count_parameters(K3Config.preset("small"))["total"] <= 300e6
+
+
+def test_every_component_of_k3_is_present():
+    by = count_parameters(K3Config.preset("kimi-k3"))["by_component"]
+    assert all(v["total"] > 0 for k, v in by.items() if k != "mtp")
+    assert by["attn_res"]["total"] == (2 * 93 + 1) * 2 * 7168  # 187 pseudo-queries, each proj + key norm

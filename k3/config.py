@@ -220,15 +220,15 @@ class K3Config:
         for f in dataclasses.fields(self):
             if f.name not in skip:
                 d[f.name] = getattr(self, f.name)
-        if True:  # always written, also for all-MLA models, so that the KDA settings round-trip
-            lin = {"num_heads": self.kda_num_heads, "head_dim": self.kda_head_dim,
-                   "short_conv_kernel_size": self.short_conv_kernel_size,
-                   "full_attn_layers": list(self.full_attn_layers), "kda_layers": list(self.kda_layers)}
-            if self.gate == "lower_bound":
-                lin["gate_lower_bound"] = self.gate_lower_bound
-            lin["use_full_rank_gate"] = self.use_full_rank_gate
-            lin.update(self.extra.get("__linear_extra__") or {})
-            d["linear_attn_config"] = lin
+        # linear_attn_config is always written, also for all-MLA models, so that the KDA settings round-trip
+        lin = {"num_heads": self.kda_num_heads, "head_dim": self.kda_head_dim,
+               "short_conv_kernel_size": self.short_conv_kernel_size,
+               "full_attn_layers": list(self.full_attn_layers), "kda_layers": list(self.kda_layers)}
+        if self.gate == "lower_bound":
+            lin["gate_lower_bound"] = self.gate_lower_bound
+        lin["use_full_rank_gate"] = self.use_full_rank_gate
+        lin.update(self.extra.get("__linear_extra__") or {})
+        d["linear_attn_config"] = lin
         if self.attn_res != "none":
             d["attn_res_block_size"] = self.attn_res_block_size
         if self.attn_res == "full":

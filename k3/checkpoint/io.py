@@ -47,6 +47,9 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], config: K3Config) -> dict[s
 def from_hf_state_dict(hf: dict[str, torch.Tensor], config: K3Config, dtype=None) -> tuple[dict, list[str]]:
     """HF tensors -> our state dict. Returns (state, skipped names)."""
     L, skipped = config.num_hidden_layers, []
+    if dtype is None:  # one dtype for the model: the embedding's (MXFP4 experts are dequantised to it)
+        emb = hf.get("model.embed_tokens.weight", hf.get("language_model.model.embed_tokens.weight"))
+        dtype = emb.dtype if emb is not None else torch.bfloat16
     mtp_stems = {"enorm", "hnorm", "eh_proj", "shared_head"}
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     packed: dict[str, dict[str, torch.Tensor]] = {}
@@ -81,7 +84,7 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], config: K3Config, dtype=None
         base, w, e = key.split("|")
         if set(parts) != {"weight_packed", "weight_scale"}:
             raise CheckpointError(f"{base}.{e}.{w}: MXFP4 needs weight_packed and weight_scale; found {sorted(parts)}")
-        experts.setdefault((base, w), {})[int(e)] = dequantize_mxfp4(parts["weight_packed"], parts["weight_scale"])
+        experts.setdefault((base, w), {})[int(e)] = dequantize_mxfp4(parts["weight_packed"], parts["weight_scale"], dtype)
     for (base, w), per in experts.items():
         E = config.num_experts
         if sorted(per) != list(range(E)):
@@ -95,8 +98,7 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], config: K3Config, dtype=None
                 raise CheckpointError(f"{name}: {a.numel()} entries for {H} heads and the padding is not zero")
             a = a[:H]
         state[name] = a
-    if dtype is not None:
-        state = {k: (v.to(dtype) if v.is_floating_point() and not _keep_fp32(k) else v) for k, v in state.items()}
+    state = {k: (v.to(dtype) if v.is_floating_point() and not _keep_fp32(k) else v) for k, v in state.items()}
     return state, skipped
 
 

@@ -76,6 +76,16 @@ class K3ForCausalLM(nn.Module):
         self.mtp = nn.ModuleList(MTPLayer(config, i) for i in range(config.num_nextn_predict_layers))
         init_weights(self, config.num_hidden_layers)
 
+    def set_kda_backend(self, backend: str) -> None:
+        """"auto" (fla-core on CUDA when importable), "torch" (the reference) or "fla", for every KDA layer."""
+        from ..ops.kda import BACKENDS
+
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown KDA backend {backend!r}; expected one of {BACKENDS}")
+        for m in self.modules():
+            if hasattr(m, "backend") and hasattr(m, "A_log"):
+                m.backend = backend
+
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, mtp_weight: float = 0.3) -> dict:
         """Returns {"logits" [B,T,V]} and, with ``labels`` (same layout as input_ids, shifted inside;

@@ -1,0 +1,35 @@
+"""Shared helpers for benchmarks: CUDA-event timing and a results header (date, commit, machine)."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import subprocess
+
+import torch
+
+
+def header() -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "unknown"
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {"date": datetime.date.today().isoformat(), "commit": commit or "unknown", "machine": dev,
+            "torch": torch.__version__}
+
+
+def cuda_time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
+    """Median wall time of fn() in ms, measured with CUDA events around each call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]

@@ -25,8 +25,9 @@ def inputs(B, T, H, K, dtype=torch.bfloat16, lo=-5.0):
     return [x.requires_grad_() for x in (q, k, v, g, beta)]
 
 
-@pytest.mark.parametrize("B,T,H,K,packed", [(2, 512, 4, 128, False), (1, 1000, 4, 64, True), (1, 2048, 2, 128, False)],
-                         ids=["B2-T512-H4-D128", "B1-T1000-H4-D64-packed", "B1-T2048-H2-D128"])
+# H16-D128 is one of bench_kda's shapes: fla's autotuning (keyed on H, K, V) is then shared with the benchmark
+@pytest.mark.parametrize("B,T,H,K,packed", [(2, 512, 16, 128, False), (1, 1000, 16, 128, True)],
+                         ids=["B2-T512-H16-D128", "B1-T1000-H16-D128-packed"])
 def test_fla_chunk_matches_reference_outputs_and_grads(B, T, H, K, packed):
     torch.manual_seed(0)
     xs = inputs(B, T, H, K)
@@ -49,8 +50,8 @@ def test_fla_chunk_matches_reference_outputs_and_grads(B, T, H, K, packed):
 
 def test_fla_recurrent_matches_reference():
     torch.manual_seed(0)
-    q, k, v, g, beta = [x.detach() for x in inputs(3, 16, 4, 128)]
-    h0 = torch.randn(3, 4, 128, 128, device="cuda")
+    q, k, v, g, beta = [x.detach() for x in inputs(3, 16, 16, 128)]
+    h0 = torch.randn(3, 16, 128, 128, device="cuda")
     o_ref, s_ref = recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="torch")
     o, s = recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="fla")
     assert_close("o", o_ref, o, 0.01)

@@ -60,7 +60,8 @@ def test_fla_recurrent_matches_reference():
 
 def test_small_model_fla_vs_torch_backend():
     torch.manual_seed(0)
-    cfg = K3Config.preset("small")
+    # the small preset with 16 KDA heads: the same fla kernel keys as above, so no second autotuning pass
+    cfg = K3Config.preset("small").replace(kda_num_heads=16)
     model = K3ForCausalLM(cfg).cuda()
     x = torch.randint(0, cfg.vocab_size, (2, 1024), device="cuda")
     res = {}

@@ -58,21 +58,28 @@ def test_fla_recurrent_matches_reference():
     assert_close("state", s_ref, s, 0.01)
 
 
+def _small_run(model, x, backend, autocast):
+    model.set_kda_backend(backend)
+    model.zero_grad()
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        out = model(x, labels=x)
+    out["loss"].backward()
+    return out["loss"].detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def test_small_model_fla_vs_torch_backend():
     torch.manual_seed(0)
     # the small preset with 16 KDA heads: the same fla kernel keys as above, so no second autotuning pass
     cfg = K3Config.preset("small").replace(kda_num_heads=16)
     model = K3ForCausalLM(cfg).cuda()
     x = torch.randint(0, cfg.vocab_size, (2, 1024), device="cuda")
-    res = {}
-    for backend in ("torch", "fla"):
-        model.set_kda_backend(backend)
-        model.zero_grad()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = model(x, labels=x)
-        out["loss"].backward()
-        res[backend] = (out["loss"].detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
-                                               if p.grad is not None and "self_attn" in n and ".0." in n})
-    torch.testing.assert_close(res["fla"][0], res["torch"][0], atol=2e-2, rtol=2e-3)
-    for n, g in res["torch"][1].items():
-        assert_close(n, g, res["fla"][1][n], 0.1)
+    # fp32 end to end: every gradient of the model agrees, the KDA gate scalars (A_log, dt_bias) included
+    loss_t, grads_t = _small_run(model, x, "torch", autocast=False)
+    loss_f, grads_f = _small_run(model, x, "fla", autocast=False)
+    torch.testing.assert_close(loss_f, loss_t, atol=1e-3, rtol=1e-4)
+    for n, g in grads_t.items():
+        assert_close(n, g, grads_f[n], 0.05)
+    # bf16 autocast (how training runs): the loss agrees; per-parameter sums over 1e5+ bf16 terms are noise-bound
+    loss_t16, _ = _small_run(model, x, "torch", autocast=True)
+    loss_f16, _ = _small_run(model, x, "fla", autocast=True)
+    torch.testing.assert_close(loss_f16, loss_t16, atol=2e-2, rtol=2e-3)

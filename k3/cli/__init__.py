@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import params
+from . import demo, generate, params, plot, train
 
-COMMANDS = {"params": params}
+COMMANDS = {"demo": demo, "train": train, "generate": generate, "plot": plot, "params": params}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,6 +6,9 @@ R kv_lora_rank. Per token the cache is c_kv (R) + k_pe (Dr), shared by all heads
 Two attention paths, chosen in ``forward``:
 - naive (training, prefill): expand c_kv to per-head k_nope and v, then ``scaled_dot_product_attention``;
 - absorbed (decode): fold W_uk into the query, attend in the R-dim latent space (MQA style), apply W_uv after.
+
+With ``track_max_logit = True`` a training forward also records ``max_logit`` [H] fp32, the largest
+pre-softmax logit of each head (running max until k3.train.qk_clip resets it), for QK-clip (SPEC §5).
 """
 
 from __future__ import annotations
@@ -40,6 +43,23 @@ def document_causal_mask(cu_seqlens: torch.Tensor, T: int, device) -> torch.Tens
     return (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
 
 
+@torch.no_grad()
+def max_causal_logit(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
+                     chunk: int = 1024) -> torch.Tensor:
+    """Per-head max of q.k * scale over visible pairs: q, k [B,H,T,Dk]; mask [T,T] (True = visible) or None for
+    causal. Query chunks bound the scores to [B,H,chunk,T]. Returns [H] fp32."""
+    B, H, T, _ = q.shape
+    q, k = q.float(), k.float()
+    pos = torch.arange(T, device=q.device)
+    best = torch.full((H,), float("-inf"), dtype=torch.float32, device=q.device)
+    for i in range(0, T, chunk):
+        j = min(T, i + chunk)  # keys after the chunk's last query are never visible
+        s = (q[:, :, i:j] @ k[:, :, :j].transpose(-1, -2)) * scale  # [B,H,C,j]
+        vis = mask[i:j, :j] if mask is not None else pos[None, :j] <= pos[i:j, None]  # [C,j]
+        best = torch.maximum(best, s.masked_fill(~vis, float("-inf")).amax(dim=(0, 2, 3)))
+    return best
+
+
 class GatedMLA(nn.Module):
     def __init__(self, config: K3Config, layer_idx: int = 0):
         super().__init__()
@@ -50,6 +70,8 @@ class GatedMLA(nn.Module):
         self.scale = config.qk_head_dim ** -0.5
         self.use_rope, self.rope_theta = not config.mla_use_nope, config.rope_theta
         self.fp32_attention = True  # attention output kept in fp32 while training (SPEC §2.2)
+        self.track_max_logit = False  # QK-clip (SPEC §5): record per-head max logits in training forwards
+        self.max_logit: torch.Tensor | None = None  # [H] fp32
         qd = H * config.qk_head_dim
         if config.q_lora_rank:
             self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=False)
@@ -98,10 +120,13 @@ class GatedMLA(nn.Module):
         v = v.transpose(1, 2)
         if self.fp32_attention and self.training:
             q, k, v = q.float(), k.float(), v.float()
-        if cu_seqlens is None:
+        mask = None if cu_seqlens is None else document_causal_mask(cu_seqlens, T, x.device)
+        if self.track_max_logit and self.training:
+            m = max_causal_logit(q, k, self.scale, mask)
+            self.max_logit = m if self.max_logit is None else torch.maximum(self.max_logit, m)
+        if mask is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
-            mask = document_causal_mask(cu_seqlens, T, x.device)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         o = o.transpose(1, 2).reshape(B, T, H * self.dv)
         return self._gate_out(x, o)

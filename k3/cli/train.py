@@ -1,0 +1,60 @@
+"""k3 train: train a K3-architecture model on text (or the embedded standard-library corpus)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..train.loop import TrainConfig, train
+from .common import add_model_arguments
+
+HELP = "train a model (resumes automatically when --out already holds a checkpoint)"
+
+
+def add_train_arguments(p, defaults: TrainConfig) -> None:
+    d = defaults
+    p.add_argument("--data", default=d.data, help="text file, directory or JSONL ({\"text\": ...} per line); "
+                   "default: the Python standard library's source, embedded in every Python install")
+    p.add_argument("--out", default=d.out, required=d.out is None, help="run directory (metrics, checkpoint, plots)")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch")
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--grad-accum", type=int, default=d.grad_accum)
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (Muon and AdamW)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size, help="BPE vocabulary trained on the data")
+    p.add_argument("--data-max-bytes", type=int, default=d.data_max_bytes, help="read at most this much text")
+    p.add_argument("--balance", choices=["quantile", "sign", "none"], default=d.balance,
+                   help="router bias balancing: Quantile Balancing (K3), DeepSeek-V3's sign rule, or off")
+    p.add_argument("--mtp-weight", type=float, default=d.mtp_weight)
+    p.add_argument("--qk-clip", type=float, default=d.qk_clip_tau, metavar="TAU", help="0 disables QK-clip")
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--log-every", type=int, default=d.log_every)
+    p.add_argument("--save-every", type=int, default=d.save_every)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--kda-backend", choices=["auto", "torch", "fla"], default=d.kda_backend)
+    p.add_argument("--activation-checkpointing", action="store_true", default=d.activation_checkpointing)
+
+
+def config_from_args(args, base: TrainConfig) -> TrainConfig:
+    return dataclasses.replace(
+        base, out=args.out, preset=args.preset if not args.config else None, config=args.config, data=args.data,
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum, lr=args.lr,
+        weight_decay=args.weight_decay, vocab_size=args.vocab_size, data_max_bytes=args.data_max_bytes,
+        balance=args.balance, mtp_weight=args.mtp_weight, qk_clip_tau=args.qk_clip or None,
+        eval_every=args.eval_every, log_every=args.log_every, save_every=args.save_every, seed=args.seed,
+        device=args.device, kda_backend=args.kda_backend, activation_checkpointing=args.activation_checkpointing)
+
+
+def add_arguments(p) -> None:
+    add_model_arguments(p, default_preset="tiny")
+    add_train_arguments(p, TrainConfig(out=None))
+
+
+def run(args) -> int:
+    result = train(config_from_args(args, TrainConfig(out=args.out)))
+    last = result["last"]
+    print(f"done: step {result['step']}, loss {last.get('loss', float('nan')):.4f}"
+          + (f", val_loss {last['val_loss']:.4f}" if "val_loss" in last else "")
+          + f" (unigram entropy {result['unigram_entropy']:.3f} nats); checkpoint in {result['run']}/checkpoint")
+    return 0

@@ -1,0 +1,119 @@
+"""Documents to train on: the embedded default corpus (the interpreter's own standard library) and user files.
+
+The default corpus needs no download: every ``*.py`` under ``sysconfig.get_paths()["stdlib"]`` (without
+``site-packages`` / ``dist-packages``), one document per file, in sorted relative-path order. CPython 3.11 ships
+about 30 MB of it: enough to train a small tokenizer and a small model end to end on any machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Document", "stdlib_documents", "load_documents", "TEXT_SUFFIXES"]
+
+EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")  # what load_documents takes from a directory
+
+
+@dataclass(frozen=True)
+class Document:
+    """One training document. ``id`` is stable across runs (a relative path or file:line) and drives the split."""
+
+    id: str
+    text: str
+
+
+def _walk(root: Path, suffixes: tuple[str, ...], skip_dirs=frozenset(), skip_hidden=False) -> list[str]:
+    """Sorted relative POSIX paths of the files under ``root`` ending in ``suffixes``; dir symlinks not followed."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in skip_dirs and not (skip_hidden and d.startswith("."))]
+        rel_dir = Path(dirpath).relative_to(root)
+        for name in filenames:
+            if name.endswith(suffixes) and not (skip_hidden and name.startswith(".")):
+                found.append((rel_dir / name).as_posix())
+    return sorted(found)
+
+
+def _read(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def stdlib_documents(max_bytes: int | None = None) -> list[Document]:
+    """The standard library's ``*.py`` files as documents (id = path relative to the stdlib root).
+
+    ``max_bytes`` (UTF-8 bytes of text) keeps a deterministic subset: files are taken in sorted order, and a
+    file that would overflow the budget is skipped (not cut), so the subset spreads over many small files.
+    """
+    if max_bytes is not None and max_bytes <= 0:
+        raise ValueError(f"max_bytes must be positive (or None for the whole corpus); got {max_bytes}")
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise FileNotFoundError(f"the standard library directory {root} does not exist; "
+                                "pass your own corpus with load_documents(path) instead")
+    docs, used = [], 0
+    for rel in _walk(root, (".py",), skip_dirs=EXCLUDED_DIRS):
+        path = root / rel
+        if max_bytes is not None and path.stat().st_size > max_bytes - used:
+            continue
+        text = _read(path)
+        n = len(text.encode("utf-8"))
+        if n == 0 or (max_bytes is not None and used + n > max_bytes):
+            continue
+        docs.append(Document(rel, text))
+        used += n
+    if not docs:
+        raise ValueError(f"no non-empty *.py files found under {root} (max_bytes={max_bytes}); "
+                         "pass your own corpus with load_documents(path) instead")
+    return docs
+
+
+def load_documents(path: str | os.PathLike) -> list[Document]:
+    """Documents from ``path``: a ``.jsonl`` file (one ``{"text": ...}`` object per line, optional string
+    ``"id"``), a directory (every *.txt, *.md, *.py, *.rst below it, sorted; hidden entries skipped; ids are
+    relative paths), or any other file (one document, id = its name). Empty documents are dropped."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"corpus path {str(path)!r} does not exist; expected a text file, a .jsonl file "
+                                "or a directory of text files")
+    if path.is_dir():
+        docs = [Document(rel, t) for rel in _walk(path, TEXT_SUFFIXES, skip_hidden=True) if (t := _read(path / rel))]
+        if not docs:
+            raise ValueError(f"directory {str(path)!r} holds no non-empty text files; expected files ending in "
+                             f"{', '.join(TEXT_SUFFIXES)} (searched recursively, hidden entries skipped)")
+        return docs
+    if path.suffix == ".jsonl":
+        return _load_jsonl(path)
+    text = _read(path)
+    if not text:
+        raise ValueError(f"corpus file {str(path)!r} is empty; give a file with text in it")
+    return [Document(path.name, text)]
+
+
+def _load_jsonl(path: Path) -> list[Document]:
+    docs = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg}); each line must be an object like "
+                                 '{"text": "..."}') from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                got = (f"a JSON {type(obj).__name__}" if not isinstance(obj, dict) else
+                       "no \"text\" field" if "text" not in obj else f'"text" of type {type(obj["text"]).__name__}')
+                raise ValueError(f'{where}: expected an object with a string "text" field; got {got}. '
+                                 'Each line must look like {"text": "..."}')
+            doc_id = obj["id"] if isinstance(obj.get("id"), str) else f"{path.name}:{lineno}"
+            if obj["text"]:
+                docs.append(Document(doc_id, obj["text"]))
+    if not docs:
+        raise ValueError(f'{path} holds no documents with non-empty "text"; expected one {{"text": ...}} per line')
+    return docs

@@ -1,0 +1,158 @@
+"""Train/validation split by document, and packing of tokenized documents into fixed-length samples.
+
+The stream is every document followed by EOS, back to back. Sample i is stream[i*T : (i+1)*T] (T = seq_len)
+with ``cu_seqlens`` marking where documents start inside it: a document's EOS stays in its own segment (its
+last token learns to predict EOS) and a document cut by a sample boundary goes on as a fresh segment in the
+next sample. The model takes packed documents as batch 1, so a batch of B samples is one row of B*T tokens
+whose cu_seqlens hold every segment: KDA resets its state and MLA masks at each boundary, and no position
+predicts across one. Labels are the input ids (the model shifts inside). The last < T tokens are dropped.
+
+Legend: T seq_len, B batch_size, N stream length, D documents, S segments in a sample or batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+
+import torch
+
+__all__ = ["split_documents", "pack_stream", "pack", "PackedDataset"]
+
+
+def _hash64(text: str) -> int:
+    """A 64-bit hash of ``text``, the same on every machine and run (unlike ``hash``)."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
+
+
+def split_documents(docs: Sequence, val_fraction: float = 0.05, seed: int = 0) -> tuple[list, list]:
+    """(train, val): a document goes to val iff the hash of (seed, its id) < val_fraction. The side of a
+    document depends on its id alone, so adding, removing or reordering others never moves it. Order is kept."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1); got {val_fraction}")
+    train, val = [], []
+    for d in docs:
+        (val if _hash64(f"{seed}:{d.id}") < val_fraction * 2**64 else train).append(d)
+    return train, val
+
+
+def pack_stream(token_docs: Sequence[Sequence[int]], eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [N] int32, doc_starts [D] int64): documents each followed by EOS, and where each one starts.
+    Empty documents are skipped (they would be a lone EOS)."""
+    docs = [torch.as_tensor(d, dtype=torch.int32) for d in token_docs if len(d)]
+    lengths = torch.tensor([len(d) + 1 for d in docs], dtype=torch.int64)  # [D], + 1 for the EOS
+    ends = lengths.cumsum(0)
+    tokens = torch.full((int(ends[-1]) if len(docs) else 0,), eos_id, dtype=torch.int32)  # [N]
+    for d, end in zip(docs, ends.tolist()):
+        tokens[end - 1 - len(d): end - 1] = d
+    return tokens, ends - lengths
+
+
+def _sample(tokens: torch.Tensor, doc_starts: torch.Tensor, i: int, seq_len: int):
+    lo, hi = i * seq_len, (i + 1) * seq_len
+    a, b = torch.searchsorted(doc_starts, torch.tensor([lo + 1, hi])).tolist()  # starts strictly inside (lo, hi)
+    inner = doc_starts[a:b] - lo
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), inner, torch.tensor([seq_len])])  # [S+1]
+    return tokens[lo:hi].long(), cu_seqlens  # input_ids [T] int64
+
+
+def pack(token_docs: Sequence[Sequence[int]], seq_len: int, eos_id: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every sample in stream order: [(input_ids [T] int64, cu_seqlens [S+1] int64), ...]."""
+    ds = PackedDataset(token_docs, seq_len, eos_id, shuffle_seed=None)
+    return [ds.sample(i) for i in range(len(ds))]
+
+
+def _epoch_seed(shuffle_seed: int, epoch: int) -> int:
+    return _hash64(f"{shuffle_seed}:{epoch}") >> 1  # manual_seed takes < 2**63
+
+
+class PackedDataset:
+    """Fixed-length samples over a packed token stream, shuffled per epoch, with a resumable batch cursor.
+
+    ``batches`` walks an endless sequence of samples: epoch 0 in the order of a permutation seeded by
+    (shuffle_seed, 0), then epoch 1, and so on (a batch may straddle two epochs). ``state_dict`` holds the
+    cursor (epoch, position in that epoch's order), so a restored dataset yields exactly the next batches.
+    ``shuffle_seed=None`` keeps stream order. One cursor per dataset: run one ``batches`` iterator at a time.
+    """
+
+    def __init__(self, token_docs: Sequence[Sequence[int]], seq_len: int, eos_id: int,
+                 shuffle_seed: int | None = 0):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1; got {seq_len}")
+        self.seq_len, self.eos_id, self.shuffle_seed = seq_len, eos_id, shuffle_seed
+        self.tokens, self.doc_starts = pack_stream(token_docs, eos_id)  # [N] int32, [D] int64
+        self.num_samples = len(self.tokens) // seq_len
+        if self.num_samples == 0:
+            raise ValueError(f"the documents pack into {len(self.tokens)} tokens (EOS included), fewer than one "
+                             f"sample of seq_len={seq_len}; use a smaller seq_len or more documents")
+        self.epoch, self.position = 0, 0
+        self._order_epoch, self._order = None, None
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    @property
+    def dropped_tokens(self) -> int:
+        """Tokens at the end of the stream that fill no whole sample."""
+        return len(self.tokens) - self.num_samples * self.seq_len
+
+    def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids [T] int64, cu_seqlens [S+1] int64) of sample i in stream order."""
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} out of range: the dataset has {self.num_samples} samples")
+        return _sample(self.tokens, self.doc_starts, i, self.seq_len)
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """[num_samples] int64: the sample indices of ``epoch`` in the order ``batches`` visits them."""
+        if self._order_epoch != epoch:
+            if self.shuffle_seed is None:
+                self._order = torch.arange(self.num_samples)
+            else:
+                g = torch.Generator().manual_seed(_epoch_seed(self.shuffle_seed, epoch))
+                self._order = torch.randperm(self.num_samples, generator=g)
+            self._order_epoch = epoch
+        return self._order
+
+    def collate(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Samples packed into one row: {"input_ids" [1, B*T] int64, "cu_seqlens" [S+1] int64}."""
+        ids, cus = zip(*(self.sample(int(i)) for i in indices))
+        offsets = [cu[1:] + j * self.seq_len for j, cu in enumerate(cus)]  # cu[0] = 0 is the previous cu[-1]
+        return {"input_ids": torch.cat(ids).unsqueeze(0),
+                "cu_seqlens": torch.cat([torch.zeros(1, dtype=torch.int64), *offsets])}
+
+    def batches(self, batch_size: int, start_step: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """Endless training batches from the cursor. ``start_step=k`` first moves the cursor to batch k of a
+        fresh run (k * batch_size samples from the start); None continues from where it is (the default,
+        and what resuming through ``load_state_dict`` needs). The cursor moves before each yield."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1; got {batch_size}")
+        if start_step is not None:
+            self.epoch, self.position = divmod(start_step * batch_size, self.num_samples)
+        while True:
+            picked = []
+            while len(picked) < batch_size:
+                take = min(batch_size - len(picked), self.num_samples - self.position)
+                picked.extend(self.order(self.epoch)[self.position: self.position + take].tolist())
+                self.position += take
+                if self.position == self.num_samples:
+                    self.epoch, self.position = self.epoch + 1, 0
+            yield self.collate(picked)
+
+    def eval_batches(self, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+        """One pass in stream order (the last batch may be smaller), leaving the training cursor alone."""
+        for lo in range(0, self.num_samples, batch_size):
+            yield self.collate(range(lo, min(lo + batch_size, self.num_samples)))
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "shuffle_seed": self.shuffle_seed,
+                "num_samples": self.num_samples, "seq_len": self.seq_len}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("num_samples", "seq_len"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"cannot resume: the saved state has {key}={state[key]} but this dataset has "
+                                 f"{getattr(self, key)}; rebuild it from the same documents, tokenizer and seq_len")
+        if not 0 <= state["position"] < self.num_samples:
+            raise ValueError(f"saved position {state['position']} is outside [0, {self.num_samples})")
+        self.epoch, self.position, self.shuffle_seed = state["epoch"], state["position"], state["shuffle_seed"]
+        self._order_epoch = None

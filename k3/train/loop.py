@@ -1,0 +1,231 @@
+"""The training loop: data -> K3ForCausalLM -> Muon/AdamW, Quantile Balancing, QK-clip, checkpoints (SPEC §4-§5).
+
+``train(TrainConfig(...))`` is what ``k3 train`` and ``k3 demo`` run. One optimiser step = ``grad_accum``
+micro-batches of ``batch_size`` packed sequences of ``seq_len`` tokens (documents delimited by cu_seqlens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import K3Config
+from ..data import (PackedDataset, encode_documents, eos_id, load_documents, load_tokenizer, save_tokenizer,
+                    split_documents, stdlib_documents, train_tokenizer, unigram_entropy)
+from ..model.transformer import K3ForCausalLM
+from .balance import ExpertBalancer
+from .metrics import MetricsLog, Progress
+from .optim import build_optimizer
+from .qk_clip import enable_max_logit_tracking, qk_clip_
+from .schedule import build_scheduler
+from .state import find_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    out: str
+    preset: str | None = "tiny"
+    config: str | None = None  # an HF config.json; overrides preset
+    data: str | None = None  # text file, directory or JSONL; None = the embedded standard-library corpus
+    data_max_bytes: int | None = None  # cap on corpus bytes read (None = all)
+    tokenizer_bytes: int = 5_000_000  # bytes of training text the BPE is learned from
+    vocab_size: int = 4096
+    steps: int = 1000
+    batch_size: int = 8  # sequences per micro-batch
+    seq_len: int = 512
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_frac: float = 0.01
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    balance: str = "quantile"  # quantile | sign | none
+    mtp_weight: float = 0.3
+    qk_clip_tau: float | None = 100.0
+    eval_every: int = 100
+    eval_batches: int = 8
+    log_every: int = 10
+    save_every: int = 500
+    seed: int = 0
+    device: str = "auto"
+    kda_backend: str = "auto"
+    activation_checkpointing: bool = False
+    val_fraction: float = 0.05
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _documents(cfg: TrainConfig):
+    docs = stdlib_documents(cfg.data_max_bytes) if cfg.data is None else load_documents(cfg.data)
+    if cfg.data is not None and cfg.data_max_bytes:
+        kept, total = [], 0
+        for d in docs:
+            if total >= cfg.data_max_bytes:
+                break
+            kept.append(d)
+            total += len(d.text)
+        docs = kept
+    return docs
+
+
+def _tokenizer(cfg: TrainConfig, train_docs, run: Path, resume_from: Path | None):
+    if resume_from is not None:
+        return load_tokenizer(resume_from / "tokenizer.json")
+    sample, total = [], 0
+    for d in train_docs:  # learn the BPE on a prefix of the training split (deterministic)
+        sample.append(d)
+        total += len(d.text)
+        if total >= cfg.tokenizer_bytes:
+            break
+    tok = train_tokenizer(sample, cfg.vocab_size)
+    save_tokenizer(tok, run / "tokenizer.json")
+    return tok
+
+
+def _model_config(cfg: TrainConfig, vocab: int) -> K3Config:
+    base = K3Config.from_hf(cfg.config) if cfg.config else K3Config.preset(cfg.preset)
+    return base.replace(vocab_size=vocab)
+
+
+@torch.no_grad()
+def evaluate(model, dataset: PackedDataset, batch_size: int, max_batches: int, device, amp) -> float:
+    """Mean next-token loss over the first ``max_batches`` validation batches (token-weighted)."""
+    was = model.training
+    model.eval()
+    total, n = 0.0, 0
+    for i, b in enumerate(dataset.eval_batches(batch_size)):
+        if i >= max_batches:
+            break
+        ids, cu = b["input_ids"].to(device), b["cu_seqlens"].to(device)
+        with amp:
+            loss = model(ids, cu_seqlens=cu, labels=ids)["lm_loss"]
+        count = ids.numel() - (cu.numel() - 1)  # positions that predict a token of their own document
+        total, n = total + loss.item() * count, n + count
+    model.train(was)
+    return total / max(n, 1)
+
+
+def train(cfg: TrainConfig, log=print) -> dict:
+    run = Path(cfg.out)
+    run.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(cfg.device)
+    resume_from = find_checkpoint(run)
+    if resume_from is not None:
+        saved = json.loads((resume_from / "train_config.json").read_text())
+        changed = {k for k in ("preset", "config", "data", "vocab_size", "seq_len", "batch_size", "seed")
+                   if saved.get(k) != getattr(cfg, k)}
+        if changed:
+            raise ValueError(f"{resume_from} was written by a run with different {sorted(changed)}; "
+                             f"resume with the same settings or use a new --out directory")
+
+    docs = _documents(cfg)
+    train_docs, val_docs = split_documents(docs, cfg.val_fraction, cfg.seed)
+    tok = _tokenizer(cfg, train_docs, run, resume_from)
+    eos = eos_id(tok)
+    train_ids, val_ids = encode_documents(tok, train_docs), encode_documents(tok, val_docs)
+    train_set = PackedDataset(train_ids, cfg.seq_len, eos, shuffle_seed=cfg.seed)
+    val_set = PackedDataset(val_ids, cfg.seq_len, eos, shuffle_seed=None)
+    entropy = unigram_entropy(val_set.tokens)
+    mcfg = _model_config(cfg, tok.get_vocab_size())
+
+    torch.manual_seed(cfg.seed)
+    if resume_from is not None:
+        model, state = load_checkpoint(resume_from, mcfg)
+        model.to(device)
+    else:
+        model, state = K3ForCausalLM(mcfg).to(device), None
+    model.set_kda_backend(cfg.kda_backend)
+    model.model.gradient_checkpointing = cfg.activation_checkpointing
+    model.train()
+    optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = build_scheduler(optimizer, cfg.steps, cfg.warmup_frac, cfg.min_lr_ratio)
+    balancer = ExpertBalancer(model, method=cfg.balance) if cfg.balance != "none" and mcfg.num_experts else None
+    if cfg.qk_clip_tau:
+        enable_max_logit_tracking(model)
+    step, tokens = 0, 0
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        if balancer is not None:
+            balancer.load_state_dict(state["balancer"])
+        train_set.load_state_dict(state["data"])
+        set_rng_state(state["rng"])
+        step, tokens = state["step"], state["tokens"]
+        log(f"resumed from {resume_from} at step {step}")
+    metrics = MetricsLog(run / "metrics.jsonl", truncate_after_step=step if state is not None else None)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"k3 train: {n_params / 1e6:.2f}M params on {device}; {len(train_set)} train / {len(val_set)} val sequences "
+        f"of {cfg.seq_len} tokens; val unigram entropy {entropy:.3f} nats/token")
+    (run / "run_info.json").write_text(json.dumps({"params": n_params, "unigram_entropy_nats": entropy,
+                                                   "train_sequences": len(train_set), "val_sequences": len(val_set),
+                                                   "train_config": cfg.to_json()}, indent=2) + "\n")
+
+    batches = train_set.batches(cfg.batch_size)
+    progress = Progress(cfg.steps)
+    last = {}
+    t_last, tok_last = time.time(), tokens
+    while step < cfg.steps:
+        loss_sum, mtp_sum = 0.0, 0.0
+        for _ in range(cfg.grad_accum):
+            b = next(batches)
+            ids, cu = b["input_ids"].to(device), b["cu_seqlens"].to(device)
+            with amp:
+                out = model(ids, cu_seqlens=cu, labels=ids, mtp_weight=cfg.mtp_weight)
+            (out["loss"] / cfg.grad_accum).backward()
+            loss_sum += out["lm_loss"].item() / cfg.grad_accum
+            if "mtp_loss" in out:
+                mtp_sum += out["mtp_loss"].item() / cfg.grad_accum
+            if balancer is not None:
+                balancer.observe()
+            tokens += ids.numel()
+        if not math.isfinite(loss_sum):
+            raise FloatingPointError(f"loss became {loss_sum} at step {step}; lower --lr or check the data")
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        clipped = qk_clip_(model, cfg.qk_clip_tau) if cfg.qk_clip_tau else 0
+        load = balancer.step() if balancer is not None else None
+        step += 1
+        rec = {"step": step, "loss": loss_sum, "lr": lr, "tokens": tokens, "grad_norm": grad_norm}
+        if mtp_sum:
+            rec["mtp_loss"] = mtp_sum
+        if load is not None:
+            rec["load_max_over_mean"] = load["load_max_over_mean"]
+            rec["load_per_layer"] = load["per_layer"]
+        if clipped:
+            rec["qk_clipped_heads"] = clipped
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            rec["val_loss"] = evaluate(model, val_set, cfg.batch_size, cfg.eval_batches, device, amp)
+        if step % cfg.log_every == 0 or "val_loss" in rec or step == cfg.steps:
+            now = time.time()
+            rec["tokens_per_s"] = (tokens - tok_last) / max(now - t_last, 1e-9)
+            t_last, tok_last = now, tokens
+            metrics.write(rec)
+            progress.update(step, rec, force="val_loss" in rec)
+        last = rec
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            save_checkpoint(run, model, run / "tokenizer.json" if (run / "tokenizer.json").exists()
+                            else resume_from / "tokenizer.json",
+                            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                             "balancer": balancer.state_dict() if balancer is not None else None,
+                             "data": train_set.state_dict(), "rng": rng_state(), "step": step, "tokens": tokens},
+                            cfg.to_json())
+    progress.close()
+    return {"step": step, "last": last, "unigram_entropy": entropy, "run": str(run), "params": n_params}

@@ -1,0 +1,150 @@
+"""Muon with per-head and per-expert orthogonalisation (SPEC §5).
+
+Legend: A, B the two dims of the matrix actually orthogonalised (a head block, an expert, or the whole
+weight); N the batch of such blocks (heads H or experts E, 1 for a whole matrix).
+
+    buf <- lerp(buf, g, 1 - mu)                      momentum 0.95, EMA form (as torch.optim.Muon)
+    u   <- lerp(g, buf, mu)                          Nesterov
+    O   <- NewtonSchulz5(u) per block                 [N,A,B], singular values pushed into ~[0.7, 1.2]
+    p   <- p * (1 - lr * wd)                          decoupled weight decay
+    p   <- p - lr * 0.2 * sqrt(max(A, B)) * O         RMS of the step ~ 0.2 * lr, like AdamW's
+
+Each param group carries a ``split`` saying which blocks to orthogonalise:
+- ``"whole"``   a 2-D weight [out, in] as one matrix;
+- ``"rows:H"``  a 2-D weight whose output rows are grouped by head: H blocks [out/H, in];
+- ``"cols:H"``  a 2-D weight whose input columns are grouped by head (output projections): H blocks [out, in/H];
+- ``"experts"`` a 3-D routed-expert bank [E, out, in]: E blocks, one per expert.
+A 3-D tensor with any other split is rejected: it would otherwise be flattened or sent to AdamW silently.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim import Optimizer
+
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+SPLIT_HELP = 'expected "whole", "rows:H", "cols:H" (H a positive int dividing that dim) or "experts"'
+
+
+def newton_schulz(G: torch.Tensor, steps: int = 5, coeffs: tuple[float, float, float] = NS_COEFFS,
+                  eps: float = 1e-7) -> torch.Tensor:
+    """Approximate U V^T of each matrix G [..., A, B] = U S V^T with a quintic Newton-Schulz iteration.
+
+    Batched over leading dims; each matrix is normalised by its own Frobenius norm (so its spectral norm is
+    <= 1). Runs in bf16 on GPU (as in Keller Jordan's Muon) and fp32 on CPU; returns G's dtype. The iteration
+    is tuned for speed, not convergence: singular values land in roughly [0.7, 1.2], not exactly at 1, and
+    directions whose singular value is below ~1e-3 of the Frobenius norm are not fully raised in 5 steps.
+    """
+    if G.dim() < 2:
+        raise ValueError(f"newton_schulz needs a matrix or a batch of matrices [..., A, B], got shape {tuple(G.shape)}")
+    a, b, c = coeffs
+    X = G.bfloat16() if G.is_cuda else G.float()
+    tall = G.size(-2) > G.size(-1)
+    if tall:  # iterate on the wide orientation: the Gram matrix X X^T is then min(A, B) square
+        X = X.mT
+    X = X / X.float().norm(dim=(-2, -1), keepdim=True).clamp(min=eps).to(X.dtype)
+    for _ in range(steps):
+        gram = X @ X.mT
+        X = a * X + (b * gram + c * gram @ gram) @ X
+    if tall:
+        X = X.mT
+    return X.to(G.dtype)
+
+
+def parse_split(split: str, shape: torch.Size, name: str = "parameter") -> tuple[str, int]:
+    """Check that ``split`` fits a tensor of ``shape``; return (kind, H) with H = 1 unless per-head."""
+    kind, _, heads = str(split).partition(":")
+    ndim = len(shape)
+    if kind == "experts":
+        if ndim != 3:
+            raise ValueError(f'{name}: split "experts" needs a 3-D [E, out, in] tensor, got shape {tuple(shape)}')
+        return kind, shape[0]
+    if ndim == 3:
+        raise ValueError(f'{name}: 3-D tensor {tuple(shape)} with split "{split}"; Muon orthogonalises 3-D '
+                         'tensors only as routed experts (split "experts")')
+    if ndim != 2:
+        raise ValueError(f"{name}: Muon optimises matrices; shape {tuple(shape)} belongs in AdamW")
+    if kind == "whole" and not heads:
+        return kind, 1
+    if kind in ("rows", "cols") and heads.isdigit() and int(heads) > 0:
+        H, dim = int(heads), shape[0] if kind == "rows" else shape[1]
+        if dim % H:
+            raise ValueError(f'{name}: split "{split}" needs {kind} ({dim}) divisible by {H}, shape {tuple(shape)}')
+        return kind, H
+    raise ValueError(f'{name}: unknown split "{split}"; {SPLIT_HELP}')
+
+
+def to_blocks(t: torch.Tensor, kind: str, H: int) -> torch.Tensor:
+    """The matrices to orthogonalise, [N, A, B]."""
+    if kind == "experts":
+        return t
+    if kind == "rows":
+        return t.reshape(H, t.shape[0] // H, t.shape[1])
+    if kind == "cols":
+        return t.reshape(t.shape[0], H, t.shape[1] // H).transpose(0, 1)
+    return t[None]
+
+
+def from_blocks(O: torch.Tensor, kind: str, shape: torch.Size) -> torch.Tensor:
+    """Inverse of ``to_blocks``: [N, A, B] back to the parameter's shape."""
+    if kind == "cols":
+        return O.transpose(0, 1).reshape(shape)
+    return O.reshape(shape)
+
+
+def muon_update(grad: torch.Tensor, buf: torch.Tensor, split: str, momentum: float = 0.95,
+                nesterov: bool = True, ns_steps: int = 5, eps: float = 1e-7) -> tuple[torch.Tensor, float]:
+    """Advance the momentum ``buf`` in place; return (orthogonalised update in the param's shape, RMS scale
+    0.2 * sqrt(max(A, B)) of one block)."""
+    kind, H = parse_split(split, grad.shape)
+    buf.lerp_(grad, 1 - momentum)
+    u = grad.lerp(buf, momentum) if nesterov else buf
+    blocks = to_blocks(u, kind, H)  # [N,A,B]
+    O = newton_schulz(blocks, ns_steps, eps=eps)
+    return from_blocks(O, kind, grad.shape), 0.2 * math.sqrt(max(blocks.shape[-2], blocks.shape[-1]))
+
+
+class Muon(Optimizer):
+    """Muon for hidden matrices (SPEC §5); one ``split`` per param group (see the module docstring).
+
+    ``lr`` is the AdamW-equivalent learning rate: the step's RMS is ~0.2 * lr whatever the block shape.
+    """
+
+    def __init__(self, params, lr: float = 2e-4, momentum: float = 0.95, nesterov: bool = True,
+                 weight_decay: float = 0.1, split: str = "whole", ns_steps: int = 5, eps: float = 1e-7):
+        if lr < 0 or weight_decay < 0 or not 0 <= momentum < 1:
+            raise ValueError(f"Muon: need lr >= 0, weight_decay >= 0 and 0 <= momentum < 1; "
+                             f"got lr={lr}, weight_decay={weight_decay}, momentum={momentum}")
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, split=split,
+                        ns_steps=ns_steps, eps=eps)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for i, p in enumerate(group["params"]):  # fail at construction, not at the first step
+            parse_split(group["split"], p.shape, f"Muon param group {len(self.param_groups) - 1} param {i}")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("Muon does not support sparse gradients")
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                update, scale = muon_update(p.grad, state["momentum_buffer"], group["split"], group["momentum"],
+                                            group["nesterov"], group["ns_steps"], group["eps"])
+                p.mul_(1 - lr * wd)
+                p.add_(update.to(p.dtype), alpha=-lr * scale)
+        return loss

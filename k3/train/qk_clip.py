@@ -1,0 +1,65 @@
+"""QK-clip, the weight clipping of Kimi K2's MuonClip (SPEC §5), per MLA head.
+
+Legend: H heads, Dn nope dim, Dr rope/pe dim, Dv value dim. Head h's logit is
+    s_h = (q_nope . k_nope + q_pe . k_pe) * scale,  q from q_b_proj (or q_proj) rows, k_nope from kv_b_proj rows.
+When the recorded max logit m_h exceeds tau, with gamma = tau / m_h:
+    q_nope rows *= sqrt(gamma),  k_nope rows *= sqrt(gamma),  q_pe rows *= gamma
+so every logit of head h scales by exactly gamma and its max returns to tau. k_pe is one projection shared by
+all heads (kv_a_proj_with_mqa), so it is left alone; other heads and the value rows are untouched.
+
+Use: set ``layer.track_max_logit = True`` on the GatedMLA layers (``enable_max_logit_tracking``), then after
+each ``optimizer.step()`` call ``qk_clip_(model, tau)``; it resets the recorded maxima.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers.sequence.mla import GatedMLA
+
+
+def enable_max_logit_tracking(model: nn.Module, on: bool = True) -> int:
+    """Switch max-logit recording on (or off) in every GatedMLA; return how many layers were switched."""
+    layers = [m for m in model.modules() if isinstance(m, GatedMLA)]
+    for m in layers:
+        m.track_max_logit, m.max_logit = on, None
+    return len(layers)
+
+
+@torch.no_grad()
+def scale_head_logits_(layer: GatedMLA, gamma: torch.Tensor) -> None:
+    """Scale head h's logits by ``gamma[h]`` [H] in place (see the module docstring); gamma 1 leaves a head
+    bit-for-bit unchanged."""
+    H, Dn, Dr, Dv = layer.num_heads, layer.nope, layer.pe, layer.dv
+    q_w = (layer.q_b_proj if hasattr(layer, "q_b_proj") else layer.q_proj).weight.view(H, Dn + Dr, -1)
+    kv_w = layer.kv_b_proj.weight.view(H, Dn + Dv, -1)
+    g = gamma.to(device=q_w.device, dtype=torch.float32)[:, None, None]
+    q_w[:, :Dn] = (q_w[:, :Dn].float() * g.sqrt()).to(q_w.dtype)
+    q_w[:, Dn:] = (q_w[:, Dn:].float() * g).to(q_w.dtype)
+    kv_w[:, :Dn] = (kv_w[:, :Dn].float() * g.sqrt()).to(kv_w.dtype)
+
+
+@torch.no_grad()
+def qk_clip_(model: nn.Module, tau: float = 100.0) -> int:
+    """Clip every MLA head whose recorded max logit exceeds ``tau``; return the number of heads clipped.
+
+    Layers without a recorded ``max_logit`` (tracking off, or no training forward since the last call) are
+    skipped; recorded maxima are reset so the next window starts fresh. Under data parallelism all-reduce
+    each ``max_logit`` with MAX first, so that every replica clips the same heads.
+    """
+    if tau <= 0:
+        raise ValueError(f"qk_clip_: tau must be positive, got {tau}")
+    clipped = 0
+    for layer in model.modules():
+        if not isinstance(layer, GatedMLA) or layer.max_logit is None:
+            continue
+        m = layer.max_logit.float()
+        if m.shape != (layer.num_heads,):
+            raise ValueError(f"GatedMLA layer {layer.layer_idx}: max_logit has shape {tuple(m.shape)}, "
+                             f"expected ({layer.num_heads},)")
+        over = m > tau
+        scale_head_logits_(layer, torch.where(over, tau / m, torch.ones_like(m)))
+        clipped += int(over.sum())
+        layer.max_logit = None
+    return clipped

@@ -1,0 +1,84 @@
+"""Training checkpoints: the model in the official HF layout plus everything needed to resume bit-exactly.
+
+A checkpoint is a directory ``RUN/checkpoint``:
+
+    config.json, model.safetensors (or shards + index)   the model, loadable by k3.checkpoint.load_pretrained
+    tokenizer.json                                        the run's tokenizer
+    trainer_state.pt                                      optimiser, scheduler, balancer, data position, RNG, step
+    train_config.json                                     the TrainConfig the run was started with
+
+It is written into a temporary sibling directory and renamed into place, so a crash mid-write leaves the
+previous checkpoint intact (``checkpoint.old`` is only there during the swap and is used if found alone).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import CheckpointError, load_pretrained, save_pretrained
+from ..config import K3Config
+
+NAME, OLD = "checkpoint", "checkpoint.old"
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run_dir: Path, model, tokenizer_path: Path, trainer_state: dict, train_config: dict) -> Path:
+    run_dir = Path(run_dir)
+    tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=".checkpoint.tmp-"))
+    try:
+        save_pretrained(model, tmp)
+        shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+        (tmp / "train_config.json").write_text(json.dumps(train_config, indent=2) + "\n")
+        final, old = run_dir / NAME, run_dir / OLD
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        return final
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def find_checkpoint(run_dir: Path) -> Path | None:
+    run_dir = Path(run_dir)
+    for name in (NAME, OLD):
+        if (run_dir / name / "trainer_state.pt").exists():
+            return run_dir / name
+    return None
+
+
+def load_checkpoint(ckpt: Path, expected: K3Config | None, device="cpu"):
+    """-> (model, trainer_state). Raises CheckpointError naming what does not match or cannot be read."""
+    ckpt = Path(ckpt)
+    saved = K3Config.from_hf(ckpt)
+    if expected is not None and saved != expected:
+        diff = [f for f in expected.__dataclass_fields__ if getattr(saved, f) != getattr(expected, f)]
+        raise CheckpointError(f"{ckpt} was written for another model config (fields differ: {diff}); "
+                              f"resume with the same --preset/--config or start a new --out directory")
+    model = load_pretrained(ckpt, config=saved, device=device, dtype=torch.float32)
+    try:
+        state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is damaged
+        raise CheckpointError(f"{ckpt / 'trainer_state.pt'} could not be read (truncated or corrupt?): {e}") from None
+    return model, state

@@ -27,6 +27,8 @@ def required_bias(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Ten
     N, E = scores.shape
     if not 0 < k < E:
         raise ValueError(f"top-k must satisfy 0 < k < E to have a (k+1)-th expert; got k={k}, E={E}")
+    if bias.shape != (E,):
+        raise ValueError(f"bias must be [E] = [{E}] to match scores {tuple(scores.shape)}; got {tuple(bias.shape)}")
     scores = scores.float()
     a = (scores + bias.float()).topk(k + 1, dim=-1).values[:, -1:]  # [N,1]
     return a - scores
@@ -81,7 +83,8 @@ class ExpertBalancer:
 
     ``source`` is a model (every LatentMoE in it is found and set to record its routing) or a list of routers
     (anything with ``e_score_correction_bias`` [E] and ``top_k``; pass the routing to observe() yourself).
-    ``group`` is the data-parallel process group whose tokens are pooled (default: the whole world).
+    ``group`` is the data-parallel process group whose tokens are pooled (default: the whole world); under
+    torch.distributed every rank of it must call step(), which holds the one collective.
     """
 
     def __init__(self, source: nn.Module | list, method: str = "quantile", bins: int = 1000, gamma: float = 1e-3,
@@ -90,6 +93,8 @@ class ExpertBalancer:
 
         if method not in METHODS:
             raise ValueError(f"unknown balancing method {method!r}; expected one of {METHODS}")
+        if bins < 2:
+            raise ValueError(f"the quantile histogram needs at least 2 bins; got bins={bins}")
         if isinstance(source, nn.Module):
             self.moes = [m for m in source.modules() if isinstance(m, LatentMoE)]
             if not self.moes:
@@ -136,11 +141,15 @@ class ExpertBalancer:
             router = self.routers[l]
             self.loads[l] += torch.bincount(idx.flatten(), minlength=self.loads[l].numel())
             if self.method == "quantile":
-                bias = router.e_score_correction_bias
-                if self.ranges[l] is None:
-                    self.ranges[l] = (bias.min().item() - 1.0, bias.max().item() + 1.0)
-                r = required_bias(scores, bias, router.top_k)  # [N,E]
-                self.hist[l] += histogram_counts(r, *self.ranges[l], self.bins)
+                r = required_bias(scores, router.e_score_correction_bias, router.top_k)  # [N,E]
+                self.hist[l] += histogram_counts(r, *self._range(l), self.bins)
+
+    def _range(self, l: int) -> tuple[float, float]:
+        """Layer l's histogram range for this step, from its bias at the step's start: r lies in it (s in (0,1))."""
+        if self.ranges[l] is None:  # the bias has not moved since the last step(), so every rank gets the same
+            bias = self.routers[l].e_score_correction_bias
+            self.ranges[l] = (bias.min().item() - 1.0, bias.max().item() + 1.0)
+        return self.ranges[l]
 
     # the update, per optimizer step
 
@@ -171,7 +180,7 @@ class ExpertBalancer:
             per_layer.append((loads.max() / loads.mean()).item())
             bias = router.e_score_correction_bias
             if self.method == "quantile":
-                b = quantile_from_histogram(self.hist[l], *self.ranges[l], router.top_k / bias.numel())
+                b = quantile_from_histogram(self.hist[l], *self._range(l), router.top_k / bias.numel())
                 new = b - b.mean()
             else:
                 new = bias + self.gamma * torch.sign(loads.mean() - loads).to(bias)

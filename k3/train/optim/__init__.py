@@ -55,8 +55,8 @@ def _head_splits(model: nn.Module) -> dict[str, str]:
 def describe_param_groups(model: nn.Module, per_head: bool = True) -> dict[str, ParamPlan]:
     """For each parameter name, which optimiser and split it gets (tied weights appear once)."""
     heads = _head_splits(model)
-    convs = {f"{m}.{p}" if m else p for m, mod in model.named_modules() if isinstance(mod, (ShortConvolution, nn.Conv1d))
-             for p, _ in mod.named_parameters(recurse=False)}
+    convs = {f"{m}.{p}" if m else p for m, mod in model.named_modules()
+             if isinstance(mod, (ShortConvolution, nn.Conv1d)) for p, _ in mod.named_parameters(recurse=False)}
     plan = {}
     for name, p in model.named_parameters():
         split = heads.get(name)
@@ -95,6 +95,13 @@ class CombinedOptimizer(torch.optim.Optimizer):
         # The base class checks that no parameter appears in two children; then we share the children's groups.
         super().__init__([{"params": g["params"]} for o in optimizers.values() for g in o.param_groups], {})
         self._link()
+        self._built = True
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_built", False):
+            raise TypeError("CombinedOptimizer cannot take new groups: give every group to its part (Muon or "
+                            "AdamW) first, then wrap the parts in a new CombinedOptimizer(**parts)")
+        super().add_param_group(param_group)
 
     def _link(self):
         self.param_groups = [g for o in self.optimizers.values() for g in o.param_groups]

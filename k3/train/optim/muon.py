@@ -40,17 +40,18 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coeffs: tuple[float, float, f
     if G.dim() < 2:
         raise ValueError(f"newton_schulz needs a matrix or a batch of matrices [..., A, B], got shape {tuple(G.shape)}")
     a, b, c = coeffs
-    X = G.bfloat16() if G.is_cuda else G.float()
+    X = (G.bfloat16() if G.is_cuda else G.float()).reshape(-1, *G.shape[-2:])  # [N,A,B]
     tall = G.size(-2) > G.size(-1)
     if tall:  # iterate on the wide orientation: the Gram matrix X X^T is then min(A, B) square
         X = X.mT
     X = X / X.float().norm(dim=(-2, -1), keepdim=True).clamp(min=eps).to(X.dtype)
     for _ in range(steps):
         gram = X @ X.mT
-        X = a * X + (b * gram + c * gram @ gram) @ X
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G^2
+        X = torch.baddbmm(X, poly, X, beta=a)  # a X + (b G + c G^2) X
     if tall:
         X = X.mT
-    return X.to(G.dtype)
+    return X.to(G.dtype).reshape(G.shape)
 
 
 def parse_split(split: str, shape: torch.Size, name: str = "parameter") -> tuple[str, int]:
@@ -94,31 +95,32 @@ def from_blocks(O: torch.Tensor, kind: str, shape: torch.Size) -> torch.Tensor:
     return O.reshape(shape)
 
 
-def muon_update(grad: torch.Tensor, buf: torch.Tensor, split: str, momentum: float = 0.95,
-                nesterov: bool = True, ns_steps: int = 5, eps: float = 1e-7) -> tuple[torch.Tensor, float]:
-    """Advance the momentum ``buf`` in place; return (orthogonalised update in the param's shape, RMS scale
-    0.2 * sqrt(max(A, B)) of one block)."""
-    kind, H = parse_split(split, grad.shape)
-    buf.lerp_(grad, 1 - momentum)
-    u = grad.lerp(buf, momentum) if nesterov else buf
-    blocks = to_blocks(u, kind, H)  # [N,A,B]
-    O = newton_schulz(blocks, ns_steps, eps=eps)
-    return from_blocks(O, kind, grad.shape), 0.2 * math.sqrt(max(blocks.shape[-2], blocks.shape[-1]))
+def block_shape(shape: torch.Size, kind: str, H: int) -> tuple[int, int]:
+    """(A, B) of one orthogonalised block."""
+    if kind == "experts":
+        return shape[1], shape[2]
+    if kind == "rows":
+        return shape[0] // H, shape[1]
+    return (shape[0], shape[1] // H) if kind == "cols" else (shape[0], shape[1])
 
 
 class Muon(Optimizer):
     """Muon for hidden matrices (SPEC §5); one ``split`` per param group (see the module docstring).
 
     ``lr`` is the AdamW-equivalent learning rate: the step's RMS is ~0.2 * lr whatever the block shape.
+    Blocks of one shape, across parameters and groups, go through Newton-Schulz in one batched call (few
+    large matmuls instead of many small ones), at most ``bucket_numel`` elements per call to bound memory.
     """
 
     def __init__(self, params, lr: float = 2e-4, momentum: float = 0.95, nesterov: bool = True,
-                 weight_decay: float = 0.1, split: str = "whole", ns_steps: int = 5, eps: float = 1e-7):
+                 weight_decay: float = 0.1, split: str = "whole", ns_steps: int = 5, eps: float = 1e-7,
+                 bucket_numel: int = 2**26):
         if lr < 0 or weight_decay < 0 or not 0 <= momentum < 1:
             raise ValueError(f"Muon: need lr >= 0, weight_decay >= 0 and 0 <= momentum < 1; "
                              f"got lr={lr}, weight_decay={weight_decay}, momentum={momentum}")
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, split=split,
                         ns_steps=ns_steps, eps=eps)
+        self.bucket_numel = bucket_numel
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -133,18 +135,43 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        buckets: dict[tuple, list] = {}  # blocks of one (wide) shape, NS settings, device and dtype
         for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("Muon does not support sparse gradients")
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                update, scale = muon_update(p.grad, state["momentum_buffer"], group["split"], group["momentum"],
-                                            group["nesterov"], group["ns_steps"], group["eps"])
-                p.mul_(1 - lr * wd)
-                p.add_(update.to(p.dtype), alpha=-lr * scale)
+                kind, H = parse_split(group["split"], p.shape)
+                A, B = block_shape(p.shape, kind, H)
+                key = (min(A, B), max(A, B), group["ns_steps"], group["eps"], p.device, p.grad.dtype)
+                buckets.setdefault(key, []).append((p, group, kind, H))
+        for (_, n_max, steps, eps, _, _), items in buckets.items():
+            chunk, size = [], 0
+            for item in items:
+                chunk.append(item)
+                size += item[0].numel()
+                if size >= self.bucket_numel:
+                    self._update(chunk, steps, eps, n_max)
+                    chunk, size = [], 0
+            if chunk:
+                self._update(chunk, steps, eps, n_max)
         return loss
+
+    def _update(self, items: list, steps: int, eps: float, n_max: int) -> None:
+        blocks = []
+        for p, group, kind, H in items:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+            buf, mu = state["momentum_buffer"], group["momentum"]
+            buf.lerp_(p.grad, 1 - mu)
+            u = to_blocks(p.grad.lerp(buf, mu) if group["nesterov"] else buf, kind, H)  # [N,A,B]
+            blocks.append(u.mT if u.shape[-2] > u.shape[-1] else u)  # NS(X^T) = NS(X)^T: batch in one orientation
+        O = newton_schulz(torch.cat(blocks), steps, eps=eps).split([b.shape[0] for b in blocks])
+        scale = 0.2 * math.sqrt(n_max)
+        for (p, group, kind, H), o in zip(items, O):
+            A, _ = block_shape(p.shape, kind, H)
+            o = o.mT if o.shape[-2] != A else o
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(from_blocks(o, kind, p.shape).to(p.dtype), alpha=-group["lr"] * scale)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kda.reference import pack_sequences, unpack_sequences
+from .varlen import pack_sequences, unpack_sequences
 
 __all__ = ["short_conv"]
 

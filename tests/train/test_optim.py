@@ -348,12 +348,15 @@ def test_max_logit_tracking_is_chunked_masked_and_opt_in():
     layer(x)
     assert layer.max_logit is None  # off by default
     q, k = torch.randn(2, 3, 23, 8), torch.randn(2, 3, 23, 8)
-    mask = torch.ones(23, 23, dtype=torch.bool).tril()
-    mask[9:, :9] = False  # two documents
-    for m in (None, mask):
-        torch.testing.assert_close(max_causal_logit(q, k, 0.5, m, chunk=5), max_causal_logit(q, k, 0.5, m))
-    s = (q @ k.mT * 0.5).masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3))
-    torch.testing.assert_close(max_causal_logit(q, k, 0.5, mask, chunk=4), s)
+    valid = torch.ones(2, 23, dtype=torch.bool)
+    valid[1, 9:] = False  # row 1 is a 9-token document padded to 23
+    for v in (None, valid):
+        torch.testing.assert_close(max_causal_logit(q, k, 0.5, v, chunk=5), max_causal_logit(q, k, 0.5, v))
+    vis = torch.ones(23, 23, dtype=torch.bool).tril()[None] & valid[:, :, None] & valid[:, None, :]  # [2,23,23]
+    s = (q @ k.mT * 0.5).masked_fill(~vis[:, None], float("-inf")).amax(dim=(0, 2, 3))
+    torch.testing.assert_close(max_causal_logit(q, k, 0.5, valid, chunk=4), s)
+    q[1, :, 9:] = 1e3  # padding never counts
+    torch.testing.assert_close(max_causal_logit(q, k, 0.5, valid), s)
     model = K3ForCausalLM(TINY).train()
     assert enable_max_logit_tracking(model) == 3  # two MLA layers and the MTP layer
     model(torch.randint(0, TINY.vocab_size, (1, 16)), labels=torch.randint(0, TINY.vocab_size, (1, 16)))

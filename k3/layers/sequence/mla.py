@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...config import K3Config
+from ...ops.varlen import pack_sequences, unpack_sequences
 from ..norm import RMSNorm
 
 
@@ -44,10 +45,10 @@ def document_causal_mask(cu_seqlens: torch.Tensor, T: int, device) -> torch.Tens
 
 
 @torch.no_grad()
-def max_causal_logit(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
+def max_causal_logit(q: torch.Tensor, k: torch.Tensor, scale: float, valid: torch.Tensor | None = None,
                      chunk: int = 1024) -> torch.Tensor:
-    """Per-head max of q.k * scale over visible pairs: q, k [B,H,T,Dk]; mask [T,T] (True = visible) or None for
-    causal. Query chunks bound the scores to [B,H,chunk,T]. Returns [H] fp32."""
+    """Per-head max of q.k * scale over causal pairs: q, k [B,H,T,Dk]; valid [B,T] marks real (non-padding)
+    positions, or None. Query chunks bound the scores to [B,H,chunk,T]. Returns [H] fp32."""
     B, H, T, _ = q.shape
     q, k = q.float(), k.float()
     pos = torch.arange(T, device=q.device)
@@ -55,9 +56,17 @@ def max_causal_logit(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch
     for i in range(0, T, chunk):
         j = min(T, i + chunk)  # keys after the chunk's last query are never visible
         s = (q[:, :, i:j] @ k[:, :, :j].transpose(-1, -2)) * scale  # [B,H,C,j]
-        vis = mask[i:j, :j] if mask is not None else pos[None, :j] <= pos[i:j, None]  # [C,j]
+        vis = (pos[None, :j] <= pos[i:j, None])[None, None]  # [1,1,C,j]
+        if valid is not None:
+            vis = vis & valid[:, None, i:j, None] & valid[:, None, None, :j]
         best = torch.maximum(best, s.masked_fill(~vis, float("-inf")).amax(dim=(0, 2, 3)))
     return best
+
+
+def rows_per_document(x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[1,H,T,*] packed -> ([N,H,Tpad,*] one right-padded row per document, valid [N,Tpad])."""
+    xb, valid = pack_sequences(x[0].transpose(0, 1).unsqueeze(0), cu_seqlens)  # [N,Tpad,H,*]
+    return xb.transpose(1, 2), valid
 
 
 class GatedMLA(nn.Module):
@@ -120,15 +129,18 @@ class GatedMLA(nn.Module):
         v = v.transpose(1, 2)
         if self.fp32_attention and self.training:
             q, k, v = q.float(), k.float(), v.float()
-        mask = None if cu_seqlens is None else document_causal_mask(cu_seqlens, T, x.device)
+        valid = None
+        if cu_seqlens is not None:
+            # one right-padded row per document: plain causal attention per row is then exact (a real query only
+            # sees keys at or before it; padding sits after every real position), at N * Tpad^2 instead of T^2
+            (q, valid), (k, _), (v, _) = (rows_per_document(t, cu_seqlens) for t in (q, k, v))
         if self.track_max_logit and self.training:
-            m = max_causal_logit(q, k, self.scale, mask)
+            m = max_causal_logit(q, k, self.scale, valid)
             self.max_logit = m if self.max_logit is None else torch.maximum(self.max_logit, m)
-        if mask is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        o = o.transpose(1, 2).reshape(B, T, H * self.dv)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale).transpose(1, 2)  # [*,T,H,Dv]
+        if valid is not None:
+            o = unpack_sequences(o, valid)
+        o = o.reshape(B, T, H * self.dv)
         return self._gate_out(x, o)
 
     def absorbed_weights(self):

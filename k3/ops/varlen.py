@@ -1,0 +1,28 @@
+"""Packed documents <-> padded batch: how the ops run varlen inputs without a varlen kernel.
+
+Legend: T packed tokens, N documents, Tpad the padded length (the longest document, rounded up).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["pack_sequences", "unpack_sequences"]
+
+
+def pack_sequences(x: torch.Tensor, cu_seqlens: torch.Tensor, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """[1, T, ...] packed documents -> ([N, Tpad, ...] zero right-padded, valid mask [N, Tpad])."""
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    tmax = int(lens.max()) if lens.numel() else 0
+    tpad = max(multiple, -(-tmax // multiple) * multiple)
+    pos = torch.arange(tpad, device=x.device)
+    valid = pos[None, :] < lens[:, None].to(x.device)  # [N, Tpad]
+    idx = torch.where(valid, cu_seqlens[:-1, None].to(x.device) + pos[None, :], 0)
+    out = x[0][idx]  # [N, Tpad, ...]
+    mask = valid.view(*valid.shape, *([1] * (out.dim() - 2)))
+    return out * mask.to(out.dtype), valid
+
+
+def unpack_sequences(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_sequences: [N, Tpad, ...] -> [1, T, ...]."""
+    return x[valid].unsqueeze(0)

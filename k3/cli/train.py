@@ -34,6 +34,8 @@ def add_train_arguments(p, defaults: TrainConfig) -> None:
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
     p.add_argument("--kda-backend", choices=["auto", "torch", "fla"], default=d.kda_backend)
     p.add_argument("--activation-checkpointing", action="store_true", default=d.activation_checkpointing)
+    p.add_argument("--stop-after", type=int, default=d.stop_after, metavar="STEP",
+                   help="stop after this step with a checkpoint; run the same command again to resume")
 
 
 def config_from_args(args, base: TrainConfig) -> TrainConfig:
@@ -43,7 +45,8 @@ def config_from_args(args, base: TrainConfig) -> TrainConfig:
         weight_decay=args.weight_decay, vocab_size=args.vocab_size, data_max_bytes=args.data_max_bytes,
         balance=args.balance, mtp_weight=args.mtp_weight, qk_clip_tau=args.qk_clip or None,
         eval_every=args.eval_every, log_every=args.log_every, save_every=args.save_every, seed=args.seed,
-        device=args.device, kda_backend=args.kda_backend, activation_checkpointing=args.activation_checkpointing)
+        device=args.device, kda_backend=args.kda_backend, activation_checkpointing=args.activation_checkpointing,
+        stop_after=args.stop_after)
 
 
 def add_arguments(p) -> None:

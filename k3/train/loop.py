@@ -58,6 +58,7 @@ class TrainConfig:
     kda_backend: str = "auto"
     activation_checkpointing: bool = False
     val_fraction: float = 0.05
+    stop_after: int | None = None  # stop (with a checkpoint) after this step; rerun the same command to resume
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -84,7 +85,10 @@ def _documents(cfg: TrainConfig):
 
 def _tokenizer(cfg: TrainConfig, train_docs, run: Path, resume_from: Path | None):
     if resume_from is not None:
-        return load_tokenizer(resume_from / "tokenizer.json")
+        tok = load_tokenizer(resume_from / "tokenizer.json")
+        if not (run / "tokenizer.json").exists():
+            save_tokenizer(tok, run / "tokenizer.json")
+        return tok
     sample, total = [], 0
     for d in train_docs:  # learn the BPE on a prefix of the training split (deterministic)
         sample.append(d)
@@ -126,8 +130,8 @@ def train(cfg: TrainConfig, log=print) -> dict:
     resume_from = find_checkpoint(run)
     if resume_from is not None:
         saved = json.loads((resume_from / "train_config.json").read_text())
-        changed = {k for k in ("preset", "config", "data", "vocab_size", "seq_len", "batch_size", "seed")
-                   if saved.get(k) != getattr(cfg, k)}
+        changed = {k for k in ("preset", "config", "data", "data_max_bytes", "vocab_size", "seq_len", "batch_size",
+                               "grad_accum", "steps", "lr", "seed") if saved.get(k) != getattr(cfg, k)}
         if changed:
             raise ValueError(f"{resume_from} was written by a run with different {sorted(changed)}; "
                              f"resume with the same settings or use a new --out directory")
@@ -179,7 +183,8 @@ def train(cfg: TrainConfig, log=print) -> dict:
     progress = Progress(cfg.steps)
     last = {}
     t_last, tok_last = time.time(), tokens
-    while step < cfg.steps:
+    end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
+    while step < end:
         loss_sum, mtp_sum = 0.0, 0.0
         for _ in range(cfg.grad_accum):
             b = next(batches)
@@ -220,9 +225,8 @@ def train(cfg: TrainConfig, log=print) -> dict:
             metrics.write(rec)
             progress.update(step, rec, force="val_loss" in rec)
         last = rec
-        if step % cfg.save_every == 0 or step == cfg.steps:
-            save_checkpoint(run, model, run / "tokenizer.json" if (run / "tokenizer.json").exists()
-                            else resume_from / "tokenizer.json",
+        if step % cfg.save_every == 0 or step == end:
+            save_checkpoint(run, model, run / "tokenizer.json",
                             {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                              "balancer": balancer.state_dict() if balancer is not None else None,
                              "data": train_set.state_dict(), "rng": rng_state(), "step": step, "tokens": tokens},

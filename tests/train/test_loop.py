@@ -1,0 +1,101 @@
+"""End-to-end training on CPU: resume equality, checkpoint errors, metrics, the CLI around it."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from k3.checkpoint import CheckpointError
+from k3.cli import main
+from k3.train.loop import TrainConfig, train
+from k3.train.metrics import read_metrics
+
+BASE = TrainConfig(out="", preset="tiny", data_max_bytes=400_000, tokenizer_bytes=200_000, vocab_size=512, steps=6,
+                   batch_size=2, seq_len=64, lr=3e-3, eval_every=3, eval_batches=2, log_every=1, save_every=100)
+
+
+def run(tmp_path, name, **kw):
+    cfg = dataclasses.replace(BASE, out=str(tmp_path / name), **kw)
+    return cfg, train(cfg, log=lambda *a: None)
+
+
+def losses(out):
+    return [(r["step"], r["loss"], r.get("val_loss"), r.get("load_max_over_mean")) for r in read_metrics(out)]
+
+
+def test_resume_reproduces_the_uninterrupted_loss_curve(tmp_path):
+    straight, _ = run(tmp_path, "straight")
+    cut, _ = run(tmp_path, "cut", stop_after=3)
+    assert [r["step"] for r in read_metrics(cut.out)] == [1, 2, 3]
+    run(tmp_path, "cut")  # the same command again: resumes at step 3
+    a, b = losses(straight.out), losses(cut.out)
+    assert [s for s, *_ in a] == list(range(1, 7))
+    assert a == b  # bit-identical losses, validation losses and expert loads
+
+
+def test_metrics_checkpoint_and_entropy(tmp_path):
+    cfg, result = run(tmp_path, "m", steps=4, eval_every=2)
+    recs = read_metrics(cfg.out)
+    assert {"step", "loss", "lr", "tokens", "tokens_per_s", "grad_norm", "load_max_over_mean", "mtp_loss"} <= recs[0].keys()
+    assert [r["step"] for r in recs if "val_loss" in r] == [2, 4]
+    assert recs[-1]["tokens"] == 4 * 2 * 64
+    assert recs[0]["lr"] < recs[1]["lr"] or recs[0]["lr"] == max(r["lr"] for r in recs)  # warm-up then decay
+    ck = tmp_path / "m" / "checkpoint"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt", "train_config.json"} <= \
+        {p.name for p in ck.iterdir()}
+    assert not [p for p in (tmp_path / "m").iterdir() if p.name.startswith(".checkpoint")]
+    assert 3.0 < result["unigram_entropy"] < 7.0
+
+
+def test_resume_refuses_another_config_and_a_truncated_checkpoint(tmp_path):
+    run(tmp_path, "r", stop_after=2)
+    with pytest.raises(ValueError, match="different"):
+        run(tmp_path, "r", seq_len=32)
+    ck = tmp_path / "r" / "checkpoint"
+    state = ck / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:200])
+    with pytest.raises(CheckpointError, match="trainer_state.pt"):
+        run(tmp_path, "r")
+    weights = ck / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:500])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        run(tmp_path, "r")
+
+
+def test_checkpoint_of_another_model_config_is_named(tmp_path):
+    from k3 import K3Config
+    from k3.train.state import find_checkpoint, load_checkpoint
+
+    run(tmp_path, "c", steps=1)
+    ck = find_checkpoint(tmp_path / "c")
+    other = K3Config.preset("tiny").replace(vocab_size=ck and json.loads((ck / "config.json").read_text())["vocab_size"],
+                                           hidden_size=96)
+    with pytest.raises(CheckpointError, match="hidden_size"):
+        load_checkpoint(ck, other)
+
+
+def test_train_plot_generate_cli(tmp_path, capsys):
+    out = tmp_path / "cli"
+    args = ["train", "--preset", "tiny", "--out", str(out), "--steps", "3", "--batch-size", "2", "--seq-len", "64",
+            "--vocab-size", "512", "--data-max-bytes", "300000", "--eval-every", "3", "--log-every", "1"]
+    assert main(args) == 0
+    assert "val_loss" in capsys.readouterr().out
+    assert main(["plot", str(out)]) == 0
+    assert (out / "loss.png").stat().st_size > 1000 and (out / "load.png").exists()
+    assert capsys.readouterr().out.splitlines() == [str(out / "loss.png"), str(out / "load.png")]
+    assert main(["generate", "--checkpoint", str(out), "--prompt", "import os", "--max-tokens", "8",
+                 "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("import os")
+    assert main(["plot", str(tmp_path / "nothing")]) == 1
+
+
+def test_training_on_user_jsonl_learns(tmp_path):
+    data = tmp_path / "d.jsonl"
+    text = "the quick brown fox jumps over the lazy dog. " * 40
+    data.write_text("\n".join(json.dumps({"text": f"{i}: {text}"}) for i in range(60)))
+    cfg, result = run(tmp_path, "j", data=str(data), data_max_bytes=None, steps=12, vocab_size=300,
+                      eval_every=12, lr=5e-3)
+    recs = read_metrics(cfg.out)
+    assert recs[-1]["loss"] < recs[0]["loss"] - 1.0
+    assert torch.isfinite(torch.tensor(recs[-1]["val_loss"]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import subprocess
 
@@ -15,7 +16,7 @@ def header() -> dict:
     except OSError:
         commit = "unknown"
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    return {"date": datetime.date.today().isoformat(), "commit": commit or "unknown", "machine": dev,
+    return {"date": datetime.date.today().isoformat(), "commit": commit or os.environ.get("K3_COMMIT", "unknown"), "machine": dev,
             "torch": torch.__version__}
 
 

@@ -13,14 +13,15 @@ __all__ = ["grouped_mm"]
 
 
 def _can_fuse(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
-            and hasattr(torch, "_grouped_mm") and x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0)
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """x [M,I] sorted by expert, counts [E] rows per expert (sum M) -> [M,O]."""
     if _can_fuse(x, w):
         offs = counts.cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x, w.transpose(-1, -2), offs=offs)
+        # fp32 master weights under bf16 autocast are cast here, as autocast does for nn.Linear
+        return torch._grouped_mm(x, w.to(torch.bfloat16).transpose(-1, -2), offs=offs)
     outs = [xe @ w[e].T for e, xe in enumerate(x.split(counts.tolist())) if xe.shape[0]]
     return torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])

@@ -47,10 +47,12 @@ class DecoderLayer(nn.Module):
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
 
-    def forward(self, stream: DepthStream, cu_seqlens: torch.Tensor | None = None) -> None:
+    def forward(self, stream: DepthStream, cu_seqlens: torch.Tensor | None = None, cache=None) -> None:
         h = stream.read(self.attention_query())
         x = self.input_layernorm(h)
-        if self.kind == "kda":
+        if cache is not None:  # inference: the token mixer reads and extends this sequence's cached state
+            a = cache.attend(self, x)
+        elif self.kind == "kda":
             a, _ = self.self_attn(x, cu_seqlens)
         else:
             a = self.self_attn(x, cu_seqlens)

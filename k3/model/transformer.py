@@ -30,16 +30,17 @@ class K3Model(nn.Module):
             self.output_attn_res_proj, self.output_attn_res_norm = q.proj, q.norm
         self.gradient_checkpointing = False
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [B,T] -> pre-final-norm hidden [B,T,D] (the final AttnRes mix)."""
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """input_ids [B,T] -> pre-final-norm hidden [B,T,D] (the final AttnRes mix). ``cache``: an inference
+        step's view of the KV / KDA state (k3.inference), which the token mixers read and extend."""
         c = self.config
         stream = DepthStream(self.embed_tokens(input_ids), c.attn_res,
                              DepthStream.sublayer_block_size(c.attn_res, c.attn_res_block_size), c.rms_norm_eps)
         for layer in self.layers:
-            if self.gradient_checkpointing and self.training:
+            if self.gradient_checkpointing and self.training and cache is None:
                 _checkpointed(layer, stream, cu_seqlens)
             else:
-                layer(stream, cu_seqlens)
+                layer(stream, cu_seqlens, cache)
         q = _Query(self.output_attn_res_proj, self.output_attn_res_norm) if c.attn_res != "none" else None
         return stream.output(q)
 
@@ -87,7 +88,7 @@ class K3ForCausalLM(nn.Module):
                 m.backend = backend
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, mtp_weight: float = 0.3) -> dict:
+                labels: torch.Tensor | None = None, mtp_weight: float = 0.3, cache=None) -> dict:
         """Returns {"logits" [B,T,V]} and, with ``labels`` (same layout as input_ids, shifted inside;
         -100 = ignore), "loss" = next-token CE (+ mtp_weight * "mtp_loss" when the config has MTP layers).
         With ``cu_seqlens`` (B = 1, packed documents) no position predicts across a document boundary."""
@@ -95,7 +96,7 @@ class K3ForCausalLM(nn.Module):
             raise ValueError(f"input_ids must be [B,T]; got shape {tuple(input_ids.shape)}")
         if cu_seqlens is not None and input_ids.shape[0] != 1:
             raise ValueError("packed documents (cu_seqlens) need input_ids of batch 1: [1, total_tokens]")
-        h = self.model(input_ids, cu_seqlens)
+        h = self.model(input_ids, cu_seqlens, cache)
         logits = self.lm_head(self.model.norm(h))
         out = {"logits": logits}
         if labels is None:

@@ -1,0 +1,60 @@
+"""What goes into and comes out of the inference engine (SPEC §7): requests, sampling parameters, events.
+
+The server and the CLI speak only these types; ``k3.inference.Engine`` implements them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int = 0  # how many top alternatives to report per token (0-5)
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.logprobs <= 5:
+            raise ValueError(f"logprobs must be in [0, 5], got {self.logprobs}")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams = SamplingParams()
+    request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token. ``text`` is the new text it completes (may be "" while a UTF-8 sequence is
+    incomplete); ``top_logprobs`` maps up to ``logprobs`` alternative token strings to their log-probabilities."""
+
+    token_id: int
+    text: str
+    logprob: float
+    top_logprobs: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    """The last event of a request. reason: "stop" (EOS or a stop string), "length" (max_tokens), "abort"."""
+
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    text: str  # the whole completion (stop string excluded)

@@ -1,0 +1,143 @@
+"""The OpenAI request bodies this server accepts (pydantic), and its OpenAI-style errors.
+
+Types are strict (``"max_tokens": "5"`` is an error, not 5); unknown fields are ignored, as OpenAI's own API
+does with fields it does not know; fields whose non-default values this server cannot honour (``n`` > 1,
+``echo``, ``best_of``, penalties, tools...) are rejected with a message naming them. ``top_k`` is an
+extension (0 or -1 = off). Every error is HTTP 400 with the body
+``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["APIError", "CompletionRequest", "ChatRequest", "ChatMessage", "error_body", "validation_message"]
+
+_NO_PENALTIES = {"presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {})}
+
+
+class APIError(Exception):
+    """A request the server refuses; becomes an OpenAI-style error body."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = "invalid_value",
+                 status: int = 400, type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
+
+    def body(self) -> dict:
+        return error_body(self.message, self.param, self.code, self.type)
+
+
+def error_body(message: str, param: str | None = None, code: str | None = None,
+               type: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+_EXPECTED = {"prompt": "a string or a list of token ids", "stop": "a string or a list of strings",
+             "content": "a string or a list of text parts"}
+
+
+def _short(value: Any) -> str:
+    r = repr(value)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None, str]:
+    """(message, param, code) for pydantic/FastAPI validation errors, naming the first offending field."""
+    e = errors[0]
+    raw = [str(x) for x in e.get("loc", ()) if x != "body"]
+    # union members add their type to the location (prompt.str, stop.list[str]): keep the field path only
+    loc = [x for x in raw if not any(c in x for c in "[]()") and x not in ("str", "int", "float", "bool")]
+    param = ".".join(loc) or None
+    if e.get("type") == "json_invalid":
+        return f"the request body is not valid JSON ({e.get('msg', '')}); send a JSON object", None, "invalid_json"
+    if e.get("type") == "missing":
+        return f"missing required field {param!r}", param, "missing_required_parameter"
+    if not loc:
+        return f"the request body must be a JSON object; got {_short(e.get('input'))}", None, "invalid_type"
+    field = loc[-1] if not loc[-1].isdigit() else loc[-2]
+    if raw != loc and field in _EXPECTED:
+        return f"invalid value for {param}: expected {_EXPECTED[field]}", param, "invalid_type"
+    code = "invalid_type" if e.get("type", "").endswith(("_type", "_parsing")) else "invalid_value"
+    return f"invalid value for {param}: {e.get('msg', 'invalid')}; got {_short(e.get('input'))}", param, code
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Fields common to both endpoints (null means "default", as in OpenAI's API)."""
+
+    model: str
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = Field(None, ge=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+
+    ONLY: ClassVar[dict[str, tuple]] = _NO_PENALTIES  # field -> the only values this server can honour
+
+    def check_supported(self) -> None:
+        for name, accepted in self.ONLY.items():
+            value = getattr(self, name)
+            if value not in accepted:
+                raise APIError(f"{name}={value!r} is not supported by this server; leave it out (or send one of "
+                               f"{[a for a in accepted if a is not None]})", name, "unsupported_parameter")
+
+    def stop_list(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(s == "" for s in stops):
+            raise APIError("stop strings must be non-empty", "stop")
+        return stops
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+    ONLY = {**_NO_PENALTIES, "echo": (None, False), "best_of": (None, 1), "suffix": (None, "")}
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=5)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    ONLY = {**_NO_PENALTIES, "tools": (None, []), "tool_choice": (None, "none"),
+            "response_format": (None, {"type": "text"})}
+

@@ -27,7 +27,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from .generate import generate, load_for_inference
+    from .generate import generate_text, load_for_inference
     from .plot import plot_run
 
     cfg = config_from_args(args, DEMO)
@@ -42,7 +42,7 @@ def run(args) -> int:
     for p in plot_run(cfg.out):
         print(f"plot: {p}")
     model, tok = load_for_inference(cfg.out, "cpu")
-    sample = generate(model, tok, args.prompt, 80, temperature=0.7, top_k=40, seed=cfg.seed)
+    sample = generate_text(model, tok, args.prompt, 80, temperature=0.7, top_k=40, seed=cfg.seed)
     print("sample:\n" + args.prompt + sample)
     return 0
 

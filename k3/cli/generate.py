@@ -1,56 +1,39 @@
-"""k3 generate: sample text from a trained checkpoint (a plain full-recompute loop)."""
+"""k3 generate: sample a continuation from a checkpoint through the inference engine."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
 
-HELP = "sample a continuation of --prompt from a checkpoint"
+HELP = "sample a continuation of --prompt from a checkpoint (streams to stdout)"
 
 
 def add_arguments(p) -> None:
     p.add_argument("--checkpoint", required=True, help="a checkpoint directory (e.g. RUN/checkpoint) or a run directory")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
+    add_sampling_arguments(p)
     p.add_argument("--device", default="auto")
 
 
-@torch.no_grad()
-def generate(model, tok, prompt: str, max_tokens: int, temperature: float = 0.8, top_k: int = 50,
-             seed: int = 0, device="cpu") -> str:
-    from ..data import decode, encode, eos_id
+def add_sampling_arguments(p, max_tokens: int = 64) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=50, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
 
-    if max_tokens < 1:
-        raise ValueError(f"--max-tokens must be >= 1; got {max_tokens}")
-    ids = encode(tok, prompt)
-    if not ids:
-        raise ValueError("the prompt encodes to no tokens; give some text")
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.tensor([ids], device=device)
-    eos = eos_id(tok)
-    out = []
-    for _ in range(max_tokens):
-        logits = model(x)["logits"][0, -1].float().cpu()
-        if temperature <= 0:
-            nxt = int(logits.argmax())
-        else:
-            logits = logits / temperature
-            if top_k:
-                kth = logits.topk(min(top_k, logits.numel())).values[-1]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = int(torch.multinomial(logits.softmax(-1), 1, generator=g))
-        if nxt == eos:
-            break
-        out.append(nxt)
-        x = torch.cat([x, torch.tensor([[nxt]], device=device)], dim=1)
-    return decode(tok, out)
+
+def sampling_from_args(args, stop=()):
+    from ..inference.api import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed, stop=tuple(stop))
 
 
 def load_for_inference(path: str | Path, device):
+    """(model, tokenizer) from a checkpoint directory or a run directory holding ``checkpoint/``."""
     from ..checkpoint import load_pretrained
     from ..data import load_tokenizer
 
@@ -63,11 +46,51 @@ def load_for_inference(path: str | Path, device):
     return model, load_tokenizer(p / "tokenizer.json")
 
 
+def make_engine(model, tok, name: str = "k3", **overrides):
+    from ..inference.engine import Engine, EngineConfig
+
+    return Engine(model, tok, EngineConfig(**overrides), model_name=name)
+
+
+def stream_completion(engine, prompt: str, params, out=sys.stdout) -> str:
+    """Submit, print the text as it is generated, return it."""
+    from ..data import encode
+    from ..inference.api import GenerationRequest, TokenEvent
+
+    ids = encode(engine.tok, prompt)
+    if not ids:
+        raise ValueError("the prompt encodes to no tokens; give some text")
+    handle = engine.submit(GenerationRequest(tuple(ids), params))
+    text = ""
+    for ev in handle:
+        if isinstance(ev, TokenEvent):
+            text += ev.text
+            out.write(ev.text)
+            out.flush()
+    return text
+
+
+def generate_text(model, tok, prompt: str, max_tokens: int, temperature: float = 0.8, top_k: int = 50,
+                  seed: int = 0) -> str:
+    """One completion, synchronously (no engine thread)."""
+    from ..data import encode
+    from ..inference.api import SamplingParams
+
+    engine = make_engine(model, tok)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, seed=seed)
+    return engine.generate([encode(tok, prompt)], params)[0].text
+
+
 def run(args) -> int:
     from ..train.loop import resolve_device
 
-    device = resolve_device(args.device)
-    model, tok = load_for_inference(args.checkpoint, device)
-    text = generate(model, tok, args.prompt, args.max_tokens, args.temperature, args.top_k, args.seed, device)
-    print(args.prompt + text)
+    model, tok = load_for_inference(args.checkpoint, resolve_device(args.device))
+    engine = make_engine(model, tok, Path(args.checkpoint).name)
+    engine.start()
+    try:
+        sys.stdout.write(args.prompt)
+        stream_completion(engine, args.prompt, sampling_from_args(args))
+        sys.stdout.write("\n")
+    finally:
+        engine.stop()
     return 0

@@ -1,0 +1,217 @@
+"""An OpenAI-compatible HTTP server over ``k3.inference.Engine`` (FastAPI + uvicorn).
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
+``"stream": true`` as Server-Sent Events ending in ``data: [DONE]``), ``GET /health``. One choice per request
+(``n`` = 1). Every refused request is HTTP 400 with an OpenAI error body and the server keeps serving.
+
+From the engine the app uses: ``submit(GenerationRequest) -> handle`` (iterate for TokenEvents then one
+FinishEvent; ``handle.cancel()``), ``max_context``, ``model_name`` and ``tokenizer`` (to encode prompts and to
+spell tokens in logprobs). ``create_app`` neither starts nor stops the engine; ``run_server`` does both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from ..inference.api import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
+from .chat import ChatTemplate
+from .format import DONE, ChatFormat, CompletionFormat, Formatter, sse
+from .protocol import APIError, ChatRequest, CompletionRequest, error_body, validation_message
+from .stream import EventStream, collect, events
+
+__all__ = ["create_app", "run_server"]
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
+
+
+def _check_common(engine: Any, req: CompletionRequest | ChatRequest) -> None:
+    if req.model != engine.model_name:
+        raise APIError(f"the model {req.model!r} does not exist here; this server serves {engine.model_name!r} "
+                       "(see GET /v1/models)", "model", "model_not_found")
+    if req.n not in (None, 1):
+        raise APIError(f"n={req.n} is not supported: this server returns one choice per request; send n separate "
+                       "requests (with different seeds) instead", "n", "unsupported_parameter")
+    req.check_supported()
+
+
+def _check_ids(tokenizer: Any, ids: list[int]) -> list[int]:
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise APIError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
+    return ids
+
+
+async def _prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise APIError(f"batched prompts are not supported: got {len(prompt)} prompts; send one prompt per "
+                           "request", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = await run_in_threadpool(lambda: tokenizer.encode(prompt, add_special_tokens=False).ids)
+    else:
+        ids = _check_ids(tokenizer, list(prompt))
+    if not ids:
+        raise APIError("the prompt is empty; send at least one token", "prompt")
+    return ids
+
+
+def _check_context(engine: Any, n_prompt: int, max_tokens: int) -> None:
+    if n_prompt + max_tokens > engine.max_context:
+        raise APIError(f"this model's maximum context length is {engine.max_context} tokens, but you requested "
+                       f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the completion); "
+                       "shorten the prompt or lower max_tokens", "max_tokens", "context_length_exceeded")
+
+
+def _params(req: CompletionRequest | ChatRequest, max_tokens: int, stop: list[str], logprobs: int) -> SamplingParams:
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+                              top_k=max(req.top_k or 0, 0), top_p=1.0 if req.top_p is None else req.top_p,
+                              seed=req.seed, stop=tuple(stop), logprobs=logprobs)
+    except ValueError as e:
+        raise APIError(str(e)) from None
+
+
+def _submit(engine: Any, ids: list[int], params: SamplingParams, request_id: str) -> Any:
+    try:
+        return engine.submit(GenerationRequest(prompt_ids=tuple(ids), params=params, request_id=request_id))
+    except ValueError as e:  # the engine refuses what it cannot run; say why
+        raise APIError(str(e)) from None
+
+
+def _aborted() -> APIError:
+    return APIError("the engine aborted this request (it may be shutting down); retry later", None,
+                    "engine_aborted", status=503, type="server_error")
+
+
+async def _sse(fmt: Formatter, handle: Any):
+    """The stream body: chunks as tokens come, the held-back tail with finish_reason, usage, [DONE]."""
+    streamed = ""
+    first = fmt.first_chunk()
+    if first is not None:
+        yield sse(first)
+    try:
+        async for event in events(handle):
+            if isinstance(event, TokenEvent):
+                if event.text or fmt.logprobs:
+                    streamed += event.text
+                    yield sse(fmt.chunk(event.text, [event]))
+                continue
+            if event.reason == "abort":
+                yield sse(_aborted().body())
+                break
+            # text still held back (a possible stop-string prefix, an unfinished character) is sent now
+            tail = event.text[len(streamed):] if event.text.startswith(streamed) else ""
+            yield sse(fmt.chunk(tail, [], event.reason))
+            if fmt.include_usage:
+                yield sse(fmt.usage_chunk(event))
+    except Exception as e:  # headers are gone already: report in-band, as OpenAI does
+        yield sse(error_body(f"generation failed: {e}", None, "engine_error", "server_error"))
+    yield DONE
+
+
+async def _respond(fmt: Formatter, handle: Any, request: Request, stream: bool):
+    if stream:
+        return EventStream(_sse(fmt, handle), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    tokens, finish = await collect(handle, request)
+    if finish.reason == "abort":
+        raise _aborted()
+    return fmt.response(tokens, finish)
+
+
+def create_app(engine: Any, chat_template: ChatTemplate | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine``; ``chat_template`` renders chat messages (default: ChatML)."""
+    template = chat_template or ChatTemplate()
+    tokenizer = engine.tokenizer
+    app = FastAPI(title="k3", summary=f"OpenAI-compatible API for {engine.model_name}")
+    app.state.engine = engine
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        message, param, code = validation_message(list(e.errors()))
+        return JSONResponse(error_body(message, param, code), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, e: HTTPException):
+        return JSONResponse(error_body(str(e.detail), None, None), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, e: Exception):
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", None, None, "server_error"),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": engine.model_name}
+
+    def model_card() -> dict:
+        return {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "k3",
+                "max_model_len": engine.max_context}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        if model != engine.model_name:
+            raise APIError(f"the model {model!r} does not exist here; this server serves {engine.model_name!r}",
+                           "model", "model_not_found", status=404)
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        _check_common(engine, req)
+        ids = await _prompt_ids(tokenizer, req.prompt)
+        max_tokens = req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+        _check_context(engine, len(ids), max_tokens)
+        params = _params(req, max_tokens, req.stop_list(), req.logprobs or 0)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        fmt = CompletionFormat(engine.model_name, tokenizer, req.logprobs is not None, include_usage)
+        return await _respond(fmt, _submit(engine, ids, params, fmt.id), request, bool(req.stream))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request):
+        _check_common(engine, req)
+        if req.top_logprobs and not req.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
+        text = template.render([{"role": m.role, "content": m.text()} for m in req.messages])
+        ids = await _prompt_ids(tokenizer, text)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if max_tokens is None:
+            max_tokens = engine.max_context - len(ids)
+            if max_tokens < 1:
+                max_tokens = 1  # let _check_context explain that the messages alone fill the context
+        _check_context(engine, len(ids), max_tokens)
+        stops = req.stop_list() + [s for s in template.stop if s not in req.stop_list()]
+        params = _params(req, max_tokens, stops, req.top_logprobs or 0)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        fmt = ChatFormat(engine.model_name, tokenizer, bool(req.logprobs), include_usage)
+        return await _respond(fmt, _submit(engine, ids, params, fmt.id), request, bool(req.stream))
+
+    return app
+
+
+def run_server(engine: Any, host: str = "127.0.0.1", port: int = 8000, chat_template: ChatTemplate | None = None,
+               log_level: str = "info") -> None:
+    """Start ``engine``, serve it over HTTP until interrupted (Ctrl-C), then stop it. Binds to localhost by
+    default: pass ``host="0.0.0.0"`` deliberately to expose an unauthenticated server to the network."""
+    import uvicorn
+
+    app = create_app(engine, chat_template)
+    engine.start()
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+    finally:
+        engine.stop()

@@ -86,6 +86,16 @@ def test_prefix_hit_same_tokens_and_reports_cached(tok):
     assert fin.text == tok.decode(reference_greedy(model, other, 6, 0))
 
 
+@pytest.mark.parametrize("layers", ["all-mla", "all-kda"])
+def test_prefix_hits_without_one_of_the_two_cache_kinds(tok, layers):
+    model = make_model(tok, layers=layers)
+    eng = Engine(model, tok, SMALL)
+    (p,) = prompts(1, [37], seed=4)
+    miss = eng.generate([p], SamplingParams(max_tokens=4, temperature=0))[0]
+    hit = eng.generate([p], SamplingParams(max_tokens=4, temperature=0))[0]
+    assert hit.cached_tokens == 32 and hit.text == miss.text == tok.decode(reference_greedy(model, p, 4, 0))
+
+
 def test_sparse_checkpoints_limit_reuse_to_checkpointed_boundaries(tok):
     model = make_model(tok)
     eng = Engine(model, tok, EngineConfig(num_pages=256, page_tokens=16, hash_block=8, checkpoint_every=2,

@@ -60,11 +60,11 @@ class PrefixCache:
             if page is None:
                 break
             pages.append(page)
-            if h in self.checkpoints:
+            if h in self.checkpoints or not self.pool.layout.n_kda:  # a model without KDA needs no checkpoint
                 best = i + 1
         if best == 0:
             return PrefixHit(0, [], None)
-        ck = self.checkpoints[hashes[best - 1]]
+        ck = self.checkpoints.get(hashes[best - 1], [])
         block_pages = [p for p in pages[:best] if p != NO_PAGE]
         self.pool.touch(block_pages + ck)
         return PrefixHit(best * self.hash_block, block_pages, ck)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import chat, demo, generate, params, plot, train
+from . import chat, demo, generate, params, plot, serve, train
 
-COMMANDS = {"demo": demo, "train": train, "generate": generate, "chat": chat, "plot": plot, "params": params}
+COMMANDS = {"demo": demo, "train": train, "generate": generate, "chat": chat, "serve": serve, "plot": plot, "params": params}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -57,7 +57,7 @@ def stream_completion(engine, prompt: str, params, out=sys.stdout) -> str:
     from ..data import encode
     from ..inference.api import GenerationRequest, TokenEvent
 
-    ids = encode(engine.tok, prompt)
+    ids = encode(engine.tokenizer, prompt)
     if not ids:
         raise ValueError("the prompt encodes to no tokens; give some text")
     handle = engine.submit(GenerationRequest(tuple(ids), params))

@@ -5,7 +5,7 @@ The server and the CLI speak only these types; ``k3.inference.Engine`` implement
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -41,12 +41,12 @@ class GenerationRequest:
 @dataclass(frozen=True)
 class TokenEvent:
     """One generated token. ``text`` is the new text it completes (may be "" while a UTF-8 sequence is
-    incomplete); ``top_logprobs`` maps up to ``logprobs`` alternative token strings to their log-probabilities."""
+    incomplete); ``top_logprobs`` lists up to ``logprobs`` (token id, log-probability) alternatives, best first."""
 
     token_id: int
     text: str
     logprob: float
-    top_logprobs: dict[str, float] = field(default_factory=dict)
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

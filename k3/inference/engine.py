@@ -19,7 +19,7 @@ import torch
 from ..layers.sequence.kda import KDAState
 from .api import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from .cache import BlockPool, CacheLayout, OutOfPages, PrefixCache
-from .detok import IncrementalDetokenizer, StopMatcher, token_text
+from .detok import IncrementalDetokenizer, StopMatcher
 from .sampler import sample
 from .step_cache import StepCache
 
@@ -78,7 +78,7 @@ class Engine:
     def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), model_name: str = "k3"):
         from ..data.tokenizer import eos_id
 
-        self.model, self.tok, self.cfg, self.model_name = model.eval(), tokenizer, config, model_name
+        self.model, self.tokenizer, self.cfg, self.model_name = model.eval(), tokenizer, config, model_name
         mc = model.config
         self.device = next(model.parameters()).device
         dtype = config.dtype or next(model.parameters()).dtype
@@ -113,7 +113,7 @@ class Engine:
         with self._lock:
             rid = req.request_id or f"req-{next(self._ids)}"
             handle = RequestHandle(self, rid)
-            seq = _Seq(rid, req, self.tok, handle)
+            seq = _Seq(rid, req, self.tokenizer, handle)
             self.seqs[rid] = seq
             self.waiting.append(seq)
         self._wake.set()
@@ -147,11 +147,15 @@ class Engine:
             self._thread.start()
 
     def stop(self) -> None:
+        """Stop the loop thread and end every open request with FinishEvent("abort")."""
         self._stop = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
+        with self._lock:
+            for seq in self.running + list(self.waiting):
+                self._finish(seq, "abort")
 
     def _loop(self) -> None:
         while not self._stop:
@@ -299,8 +303,7 @@ class Engine:
             text += more if stopped else more + seq.stop.flush()
         seq.text += text
         if not is_eos or text:  # EOS itself is no output; its event only carries text held back until now
-            tops = {token_text(self.tok, i): v for i, v in top[0]}
-            seq.handle.events.put(TokenEvent(t, text, float(lp[0]), tops))
+            seq.handle.events.put(TokenEvent(t, text, float(lp[0]), tuple((int(i), float(v)) for i, v in top[0])))
         if final:
             self._finish(seq, "stop" if stopped or is_eos else "length")
 

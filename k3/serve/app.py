@@ -5,8 +5,8 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 (``n`` = 1). Every refused request is HTTP 400 with an OpenAI error body and the server keeps serving.
 
 From the engine the app uses: ``submit(GenerationRequest) -> handle`` (iterate for TokenEvents then one
-FinishEvent; ``handle.cancel()``), ``max_context``, ``model_name`` and ``tokenizer`` (to encode prompts and to
-spell tokens in logprobs). ``create_app`` neither starts nor stops the engine; ``run_server`` does both.
+FinishEvent; ``handle.cancel()``), ``max_context``, ``model_name`` and ``tokenizer`` (or ``tok``: to encode
+prompts and to spell tokens in logprobs). ``create_app`` neither starts nor stops the engine; ``run_server`` does both.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from ..inference.api import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
+from ..inference.api import GenerationRequest, SamplingParams, TokenEvent
 from .chat import ChatTemplate
 from .format import DONE, ChatFormat, CompletionFormat, Formatter, sse
 from .protocol import APIError, ChatRequest, CompletionRequest, error_body, validation_message
@@ -130,6 +130,9 @@ def create_app(engine: Any, chat_template: ChatTemplate | None = None) -> FastAP
     """The FastAPI app serving ``engine``; ``chat_template`` renders chat messages (default: ChatML)."""
     template = chat_template or ChatTemplate()
     tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise TypeError("create_app needs the engine's tokenizer as engine.tokenizer (the tokenizers.Tokenizer it "
+                        "decodes with), to encode prompts and spell tokens in logprobs")
     app = FastAPI(title="k3", summary=f"OpenAI-compatible API for {engine.model_name}")
     app.state.engine = engine
 

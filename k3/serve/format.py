@@ -87,7 +87,8 @@ class CompletionFormat(Formatter):
             offsets.append(self._offset)
             self._offset += len(t)
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in events],
-                "top_logprobs": [dict(e.top_logprobs) for e in events], "text_offset": offsets}
+                "top_logprobs": [{self._text(i)[0]: lp for i, lp in e.top_logprobs} for e in events],
+                "text_offset": offsets}
 
     def _choice(self, text: str, events: Sequence[TokenEvent], finish_reason: str | None) -> dict:
         return {"index": 0, "text": text, "logprobs": self._logprobs(events), "finish_reason": finish_reason}
@@ -110,7 +111,8 @@ class ChatFormat(Formatter):
         content = []
         for e in events:
             token, raw = self._text(e.token_id)
-            top = [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))} for t, lp in e.top_logprobs.items()]
+            top = [{"token": t, "logprob": lp, "bytes": list(raw_t)}
+                   for (t, raw_t), lp in ((self._text(i), lp) for i, lp in e.top_logprobs)]
             content.append({"token": token, "logprob": e.logprob, "bytes": list(raw), "top_logprobs": top})
         return {"content": content, "refusal": None}
 

@@ -52,10 +52,16 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None, str]:
     loc = [x for x in raw if not any(c in x for c in "[]()") and x not in ("str", "int", "float", "bool")]
     param = ".".join(loc) or None
     if e.get("type") == "json_invalid":
-        return f"the request body is not valid JSON ({e.get('msg', '')}); send a JSON object", None, "invalid_json"
+        detail = (e.get("ctx") or {}).get("error") or e.get("msg", "")
+        return f"the request body is not valid JSON ({detail}); send a JSON object", None, "invalid_json"
     if e.get("type") == "missing":
+        if not loc:
+            return "the request body is empty; send a JSON object", None, "missing_required_parameter"
         return f"missing required field {param!r}", param, "missing_required_parameter"
     if not loc:
+        if isinstance(e.get("input"), bytes):
+            return ("the request body was not read as JSON: send a JSON object with the header "
+                    "'Content-Type: application/json'"), None, "invalid_json"
         return f"the request body must be a JSON object; got {_short(e.get('input'))}", None, "invalid_type"
     field = loc[-1] if not loc[-1].isdigit() else loc[-2]
     if raw != loc and field in _EXPECTED:

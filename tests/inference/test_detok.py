@@ -9,8 +9,8 @@ from k3.inference.detok import REPLACEMENT, IncrementalDetokenizer, StopMatcher,
 
 CORPUS = ["café crème brûlée, naïve résumé é è ê", "漢字 かな カナ 한국어 Ελληνικά русский",
           "emoji 🙂 🚀 👩‍👩‍👧 🇫🇷", "plain ascii text with spaces and words and more words"] * 3
-SAMPLES = ["café 漢字 🙂 done", "é", "🙂🚀👩‍👩‍👧🇫🇷", "tail ends mid: 漢", "ascii only", "漢字漢字é🙂 " * 4,
-           "unseen: ☃ ∮ 𝄞 Ωμέγα"]
+SAMPLES = ["café 漢字 🙂 done", "é", "🙂🚀👩‍👩‍👧🇫🇷", "tail ends mid: 漢", "ascii only",
+           "漢字漢字é🙂 " * 4, "unseen: ☃ ∮ 𝄞 Ωμέγα"]
 
 
 @pytest.fixture(scope="module")

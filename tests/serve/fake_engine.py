@@ -144,7 +144,7 @@ class FakeEngine:
         text, stopped = s.stop.feed(s.detok.push(token))
         s.text.append(text)
         V = self.tokenizer.get_vocab_size()
-        top = {token_text(self.tokenizer, (token + j) % V): -0.5 * (j + 1) for j in range(params.logprobs)}
+        top = tuple(((token + j) % V, -0.5 * (j + 1)) for j in range(params.logprobs))
         s.handle.events.put(TokenEvent(token, text, -0.25 * (token % 4 + 1), top))
         if stopped:
             return self._finish(s, "stop", flush=False)

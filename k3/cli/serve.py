@@ -21,6 +21,8 @@ def add_arguments(p) -> None:
     p.add_argument("--model-name", default=None, help="the name clients pass as `model` (default: the directory)")
     p.add_argument("--num-pages", type=int, default=512, help="cache pages in the block pool")
     p.add_argument("--page-tokens", type=int, default=1024)
+    p.add_argument("--hash-block", type=int, default=512, help="prefix-hash block (tokens); divides --page-tokens")
+    p.add_argument("--checkpoint-every", type=int, default=4, help="KDA state checkpoint every N hash blocks")
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--device", default="auto")
 
@@ -50,8 +52,9 @@ def run(args) -> int:
             raise ValueError("--preset serves random weights only with --random-init (use --checkpoint for a trained model)")
         model, tok = _random_model(args.preset, device)
         name = args.model_name or args.preset
-    hb = min(512, args.page_tokens)
-    engine = Engine(model, tok, EngineConfig(num_pages=args.num_pages, page_tokens=args.page_tokens, hash_block=hb,
-                                             max_batch=args.max_batch), model_name=name)
+    engine = Engine(model, tok, EngineConfig(num_pages=args.num_pages, page_tokens=args.page_tokens,
+                                             hash_block=min(args.hash_block, args.page_tokens),
+                                             checkpoint_every=args.checkpoint_every, max_batch=args.max_batch),
+                    model_name=name)
     run_server(engine, host=args.host, port=args.port)
     return 0

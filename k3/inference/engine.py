@@ -135,6 +135,11 @@ class Engine:
             self.step()
         return [list(h)[-1] for h in handles]
 
+    def stats(self) -> dict:
+        """Queue and cache occupancy (the server's /health reports it)."""
+        return {"running": len(self.running), "waiting": len(self.waiting), "pages_in_use": self.pool.pages_in_use,
+                "pages_total": self.pool.num_pages, "prefix_checkpoints": self.prefix.num_checkpoints if self.prefix else 0}
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -5,8 +5,8 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 (``n`` = 1). Every refused request is HTTP 400 with an OpenAI error body and the server keeps serving.
 
 From the engine the app uses: ``submit(GenerationRequest) -> handle`` (iterate for TokenEvents then one
-FinishEvent; ``handle.cancel()``), ``max_context``, ``model_name`` and ``tokenizer`` (or ``tok``: to encode
-prompts and to spell tokens in logprobs). ``create_app`` neither starts nor stops the engine; ``run_server`` does both.
+FinishEvent; ``handle.cancel()``), ``max_context``, ``model_name`` and ``tokenizer`` (to encode prompts and to spell tokens in logprobs), and
+``stats()`` when present (reported by /health). ``create_app`` neither starts nor stops the engine; ``run_server`` does both.
 """
 
 from __future__ import annotations
@@ -156,7 +156,8 @@ def create_app(engine: Any, chat_template: ChatTemplate | None = None) -> FastAP
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": engine.model_name}
+        stats = engine.stats() if hasattr(engine, "stats") else {}
+        return {"status": "ok", "model": engine.model_name, **stats}
 
     def model_card() -> dict:
         return {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "k3",

@@ -1,0 +1,139 @@
+"""Intra-device context parallelism for KDA prefill (SPEC §8): one long sequence through chunk_kda whole, against the
+same sequence cut into R segments run side by side on one device (``k3.ops.kda.cp.intra_device_cp_kda``: summaries
+(M, S~) of all segments at once, a prefix scan of R [K,K] @ [K,V] products, then all outputs at once). Forward only
+(prefill), bf16 q/k/v, fp32 gates in (-5, 0), ``backend="auto"`` (fla-core's Triton chunk_kda on CUDA when it imports).
+
+    python benchmarks/bench_cp.py                      # H200: T 256K and 1M, H 16 and 96, D 128, R = 4..64
+    python benchmarks/bench_cp.py --device cpu --shapes B1-T2048-H2-D32 --segments 2,4 --dtype fp32   # smoke run
+
+Why it can win: fla's inter-chunk state pass runs one program per (sequence, head, V block) and walks T/64 chunks in
+sequence; with B=1, H=16 that is a few dozen programs on a 132-SM GPU. R segments give R times the programs in both
+passes, for about twice the arithmetic (the summary pass carries V+K state columns, then the output pass).
+
+fla-core's own context parallelism (``fla.ops.cp.build_cp_context(cu_seqlens, group)`` and the ``cp_context``
+argument of its ``chunk_kda``) splits a sequence across the ranks of a torch.distributed process group; in one
+process the group has one rank and the call is the plain kernel, so there is no one-process comparison with it
+here. Its multi-GPU counterpart in k3 is ``k3.distributed.kcp.kcp_chunk_kda``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import cuda_time_ms, header  # noqa: E402
+from k3.ops.kda import resolve_backend  # noqa: E402
+from k3.ops.kda.cp import chunk_kda_any, intra_device_cp_kda  # noqa: E402
+
+DEFAULT_SHAPES = "B1-T262144-H16-D128,B1-T262144-H96-D128,B1-T1048576-H16-D128,B1-T1048576-H96-D128"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse(shape: str):
+    d = dict((p[0], int(p[1:])) for p in shape.split("-"))
+    return d["B"], d["T"], d["H"], d["D"]
+
+
+def kda_inputs(B, T, H, D, device, dtype):
+    q = torch.randn(B, T, H, D, device=device, dtype=dtype)
+    k = F.normalize(torch.randn(B, T, H, D, device=device, dtype=dtype), dim=-1)
+    v = torch.randn(B, T, H, D, device=device, dtype=dtype)
+    g = -5 * torch.rand(B, T, H, D, device=device)
+    beta = torch.rand(B, T, H, device=device)
+    return q, k, v, g, beta
+
+
+def cpu_time_ms(fn, warmup: int = 1, iters: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def rel_rms(ref, out):
+    ref, out = ref.float(), out.float()
+    return ((ref - out).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12)).item()
+
+
+def bench_shape(shape, segments, device, dtype, backend):
+    B, T, H, D = parse(shape)
+    timer = cuda_time_ms if device == "cuda" else cpu_time_ms
+    row = {"shape": shape, "whole_ms": float("nan"), "segments": {}, "max_rel_err": float("nan")}
+    try:
+        xs = kda_inputs(B, T, H, D, device, dtype)
+        row["backend"] = resolve_backend(backend, xs[0])
+        with torch.no_grad():
+            o_whole, _ = chunk_kda_any(*xs, lower_bound=-5.0, backend=backend)
+            row["whole_ms"] = timer(lambda: chunk_kda_any(*xs, lower_bound=-5.0, backend=backend))
+            errs = []
+            for R in segments:
+                try:
+                    o_cp, _ = intra_device_cp_kda(*xs, R, lower_bound=-5.0, backend=backend)
+                    errs.append(rel_rms(o_whole, o_cp))
+                    del o_cp
+                    row["segments"][R] = timer(lambda: intra_device_cp_kda(*xs, R, lower_bound=-5.0, backend=backend))
+                except torch.OutOfMemoryError:
+                    row["segments"][R] = float("nan")
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            row["max_rel_err"] = max(errs, default=float("nan"))
+    except torch.OutOfMemoryError:
+        row["oom"] = True
+    finally:
+        xs = o_whole = None  # noqa: F841 - free before the next shape
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+def markdown(rows, segments):
+    lines = ["| shape | backend | whole chunk_kda | " + " | ".join(f"R={R}" for R in segments) + " | max rel err |",
+             "|---" * (len(segments) + 4) + "|"]
+    for r in rows:
+        w = r["whole_ms"]
+        cells = []
+        for R in segments:
+            t = r["segments"].get(R, float("nan"))
+            cells.append("OOM" if t != t else f"{t:.1f} ms ({w / t:.2f}x)")
+        whole = "OOM" if w != w else f"{w:.1f} ms"
+        lines.append(f"| {r['shape']} | {r.get('backend', '-')} | {whole} | " + " | ".join(cells)
+                     + f" | {r['max_rel_err']:.1e} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES)
+    ap.add_argument("--segments", default="4,8,16,32,64", help="comma-separated segment counts R")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    ap.add_argument("--backend", default="auto", choices=["auto", "torch", "fla"])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda needs a CUDA device; use --device cpu with small --shapes for a smoke run")
+    segments = [int(s) for s in args.segments.split(",")]
+    rows = []
+    for shape in args.shapes.split(","):
+        rows.append(bench_shape(shape, segments, args.device, DTYPES[args.dtype], args.backend))
+        print(json.dumps(rows[-1]), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({**header(), "rows": rows}, indent=2))
+    print("\nintra-device CP, forward (prefill); cells: time (whole / CP speed-up)\n")
+    print(markdown(rows, segments))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Context parallelism for KDA inside one process (SPEC §8): segment summaries, the prefix scan, intra-device CP.
+
+Legend: B batch, T time, H heads, K key dim, V value dim, R segments, L segment length. States are fp32
+(fp64 when the inputs are fp64), S [.., K, V] and M [.., K, K], as everywhere in ``reference.py``.
+
+A KDA segment is an affine map of the state. With A_t = (I - b_t k_t k_t^T) Diag(exp g_t)  [K,K]:
+
+    S_t = A_t S_{t-1} + b_t k_t v_t^T    =>    S_out = M S_in + S~,    M = A_L ... A_1  (later factors left),
+                                                                       S~ = S_out when S_in = 0.
+
+Each column of the state evolves on its own, so M is the final state of the same recurrence started at I with
+v = 0, and ONE chunk_kda call with values [v | 0] and initial state [0 | I] returns [S~ | M].
+
+Prefix scan over R segments (forward), S_in(0) = S0 (zeros if None):
+
+    S_in(r+1) = M_r S_in(r) + S~_r                                   r = 0 .. R-1;  S_in(R) = the final state
+
+Its adjoint, with D_r = dL/dS_in(r) from segment r's own outputs and D_R = dL/d(final state):
+
+    lam_R = D_R,   lam_r = D_r + M_r^T lam_{r+1};    dS~_r = lam_{r+1},   dM_r = lam_{r+1} S_in(r)^T,   dS0 = lam_0.
+
+Here autograd derives the adjoint; ``k3.distributed.kcp`` writes it out because its scan crosses ranks.
+
+Intra-device CP (prefill of one very long sequence): reshape R segments into the batch, summarise them all at
+once, scan (R tiny matmuls), then run every segment again from its true initial state, again at once. The
+work roughly doubles, but each phase is R-way parallel where a single chunk_kda walks T/64 chunks in sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from . import chunk_kda as dispatch_chunk_kda
+from . import reference, resolve_backend
+
+__all__ = ["segment_transition", "segment_summary", "scan_states", "intra_device_cp_kda", "chunk_kda_any"]
+
+
+def chunk_kda_any(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                  chunk_size=64, backend="auto", lower_bound=None):
+    """chunk_kda through ``backend`` ("auto": fla-core on CUDA when it imports); ``chunk_size`` reaches the
+    reference only (fla's kernels use 64)."""
+    if resolve_backend(backend, q) == "fla":
+        return dispatch_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                  lower_bound=lower_bound, backend="fla")
+    return reference.chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                               chunk_size=chunk_size)
+
+
+def _state_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _identity_states(k: torch.Tensor) -> torch.Tensor:
+    B, _, H, K = k.shape
+    eye = torch.eye(K, dtype=_state_dtype(k), device=k.device)
+    return eye.expand(B, H, K, K).contiguous()  # [B,H,K,K]
+
+
+def segment_transition(k, g, beta, chunk_size=64, backend="auto", lower_bound=None) -> torch.Tensor:
+    """k, g [B,T,H,K], beta [B,T,H] -> M = A_T ... A_1 [B,H,K,K]: the recurrence from S = I with v = 0."""
+    # q is only read by the discarded outputs; passing k avoids allocating a [B,T,H,K] tensor
+    _, M = chunk_kda_any(k, k, torch.zeros_like(k), g, beta, 1.0, _identity_states(k), True,
+                         chunk_size=chunk_size, backend=backend, lower_bound=lower_bound)
+    return M
+
+
+def segment_summary(k, v, g, beta, chunk_size=64, backend="auto", lower_bound=None):
+    """k, g [B,T,H,K], v [B,T,H,V], beta [B,T,H] -> (M [B,H,K,K], S~ [B,H,K,V]) in one chunk_kda call:
+    values [v | 0] from the initial state [0 | I] end as [S~ | M]."""
+    B, T, H, K = k.shape
+    Vd = v.shape[-1]
+    v_cat = torch.cat([v, v.new_zeros(B, T, H, K)], dim=-1)  # [B,T,H,V+K]
+    h0 = torch.cat([k.new_zeros(B, H, K, Vd, dtype=_state_dtype(k)), _identity_states(k)], dim=-1)
+    _, S = chunk_kda_any(k, k, v_cat, g, beta, 1.0, h0, True, chunk_size=chunk_size, backend=backend,
+                         lower_bound=lower_bound)
+    return S[..., Vd:], S[..., :Vd]
+
+
+def scan_states(M: Sequence[torch.Tensor], S: Sequence[torch.Tensor], S0: torch.Tensor | None = None):
+    """R transitions M_r [..,K,K] and local states S~_r [..,K,V] -> [S_in(0), ..., S_in(R)] (R+1 states):
+    S_in(0) = S0 (zeros if None), S_in(r+1) = M_r S_in(r) + S~_r; the last is the state after every segment."""
+    M, S = list(M), list(S)
+    if len(M) != len(S) or not S:
+        raise ValueError(f"scan_states needs one transition per local state and at least one; got {len(M)} and {len(S)}")
+    state = torch.zeros_like(S[0]) if S0 is None else S0.to(S[0].dtype)
+    states = [state]
+    for M_r, S_r in zip(M, S):
+        state = M_r @ state + S_r
+        states.append(state)
+    return states
+
+
+def intra_device_cp_kda(q, k, v, g, beta, num_segments: int, scale=None, initial_state=None,
+                        output_final_state=False, chunk_size=64, backend="auto", lower_bound=None):
+    """chunk_kda over R = ``num_segments`` segments of each sequence run side by side; exact (outputs, final
+    state, gradients) against chunk_kda on the whole sequence.
+
+    q, k, g [B,T,H,K], v [B,T,H,V], beta [B,T,H], initial_state [B,H,K,V] -> (o [B,T,H,V], final [B,H,K,V] or None).
+    Segments are ceil(T / R) long; the last is zero-padded (g = 0 keeps the state, beta = 0 writes nothing).
+    """
+    if num_segments < 1:
+        raise ValueError(f"num_segments must be >= 1; got {num_segments}")
+    B, T, H, K = q.shape
+    Vd, R = v.shape[-1], num_segments
+    L = -(-T // R)
+    pad = R * L - T
+
+    def split(x):  # [B,T,...] -> [B*R, L, ...]; row b*R + r is segment r of sequence b
+        if pad:
+            x = F.pad(x, [0, 0] * (x.dim() - 2) + [0, pad])
+        return x.reshape(B * R, L, *x.shape[2:])
+
+    qs, ks, vs, gs, bs = (split(x) for x in (q, k, v, g, beta))
+    opts = dict(chunk_size=chunk_size, backend=backend, lower_bound=lower_bound)
+    M, S_loc = segment_summary(ks, vs, gs, bs, **opts)  # phase 1: all segments at once
+    states = scan_states(M.view(B, R, H, K, K).unbind(1), S_loc.view(B, R, H, K, Vd).unbind(1), initial_state)
+    S_in = torch.stack(states[:-1], dim=1).reshape(B * R, H, K, Vd)  # phase 2: R small matmuls
+    o, _ = chunk_kda_any(qs, ks, vs, gs, bs, scale, S_in, False, **opts)  # phase 3: all segments at once
+    o = o.reshape(B, R * L, H, Vd)[:, :T]
+    return o, (states[-1] if output_final_state else None)

@@ -124,12 +124,14 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_pretrained(model, directory: str | Path, max_shard_bytes: int = 5 * 2**30) -> None:
+def save_pretrained(model, directory: str | Path, max_shard_bytes: int = 5 * 2**30, state: dict | None = None) -> None:
     """Write config.json and the weights in HF naming; shards + ``model.safetensors.index.json`` when the
-    weights exceed ``max_shard_bytes``. Every file is written to a temp name and renamed into place."""
+    weights exceed ``max_shard_bytes``. Every file is written to a temp name and renamed into place.
+    ``state``: the full state dict to write instead of ``model.state_dict()`` (e.g. gathered from FSDP shards)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    hf = to_hf_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()}, model.config)
+    state = model.state_dict() if state is None else state
+    hf = to_hf_state_dict({k: v.detach().cpu() for k, v in state.items()}, model.config)
     # tensors that share storage (the per-expert views of one 3-D tensor) must be saved as separate copies
     hf = {k: v.clone() if v.storage_offset() or not v.is_contiguous() else v for k, v in hf.items()}
     shards: list[dict] = [{}]

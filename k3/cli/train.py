@@ -34,6 +34,8 @@ def add_train_arguments(p, defaults: TrainConfig) -> None:
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
     p.add_argument("--kda-backend", choices=["auto", "torch", "fla"], default=d.kda_backend)
     p.add_argument("--activation-checkpointing", action="store_true", default=d.activation_checkpointing)
+    p.add_argument("--dp", type=int, default=d.dp, help="data-parallel ranks (FSDP2); run under torchrun with "
+                   "--nproc_per_node equal to it; --batch-size is per rank")
     p.add_argument("--stop-after", type=int, default=d.stop_after, metavar="STEP",
                    help="stop after this step with a checkpoint; run the same command again to resume")
 
@@ -46,7 +48,7 @@ def config_from_args(args, base: TrainConfig) -> TrainConfig:
         balance=args.balance, mtp_weight=args.mtp_weight, qk_clip_tau=args.qk_clip or None,
         eval_every=args.eval_every, log_every=args.log_every, save_every=args.save_every, seed=args.seed,
         device=args.device, kda_backend=args.kda_backend, activation_checkpointing=args.activation_checkpointing,
-        stop_after=args.stop_after)
+        stop_after=args.stop_after, dp=args.dp)
 
 
 def add_arguments(p) -> None:
@@ -55,7 +57,15 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    result = train(config_from_args(args, TrainConfig(out=args.out)))
+    import torch.distributed as dist
+
+    try:
+        result = train(config_from_args(args, TrainConfig(out=args.out)))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if dist.is_available() and int(__import__("os").environ.get("RANK", "0")) != 0:
+        return 0
     last = result["last"]
     print(f"done: step {result['step']}, loss {last.get('loss', float('nan')):.4f}"
           + (f", val_loss {last['val_loss']:.4f}" if "val_loss" in last else "")

@@ -47,7 +47,10 @@ class DecoderLayer(nn.Module):
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
 
-    def forward(self, stream: DepthStream, cu_seqlens: torch.Tensor | None = None, cache=None) -> None:
+    def forward(self, stream: DepthStream, cu_seqlens: torch.Tensor | None = None,
+                cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reads from and writes into ``stream``; returns the two sub-layer outputs it wrote (so that module
+        hooks, e.g. FSDP2's pre-backward unshard, see this layer's outputs)."""
         h = stream.read(self.attention_query())
         x = self.input_layernorm(h)
         if cache is not None:  # inference: the token mixer reads and extends this sequence's cached state
@@ -58,7 +61,9 @@ class DecoderLayer(nn.Module):
             a = self.self_attn(x, cu_seqlens)
         stream.write(a)
         h = stream.read(self.mlp_query())
-        stream.write(self.ffn(self.post_attention_layernorm(h)))
+        m = self.ffn(self.post_attention_layernorm(h))
+        stream.write(m)
+        return a, m
 
 
 class _Query:

@@ -20,6 +20,8 @@ from ..config import K3Config
 from ..data import (PackedDataset, encode_documents, eos_id, load_documents, load_tokenizer, save_tokenizer,
                     split_documents, stdlib_documents, train_tokenizer, unigram_entropy)
 from ..model.transformer import K3ForCausalLM
+from ..distributed.data_parallel import (apply_fsdp, full_model_state, init_from_env, max_logits_across_ranks,
+                                         mean_across_ranks)
 from .balance import ExpertBalancer
 from .metrics import MetricsLog, Progress
 from .optim import build_optimizer
@@ -59,9 +61,32 @@ class TrainConfig:
     activation_checkpointing: bool = False
     val_fraction: float = 0.05
     stop_after: int | None = None  # stop (with a checkpoint) after this step; rerun the same command to resume
+    dp: int = 1  # data-parallel ranks (FSDP2) when run under torchrun; batch_size is per rank
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def rank_slice(batch: dict, rank: int, world: int, tokens_per_rank: int):
+    """This rank's part of a packed global batch: (input_ids [1,n], cu_seqlens, share), where share = this rank's
+    predicted tokens * world / the global batch's (1.0 in one process). Sample boundaries are document
+    boundaries, so a rank's slice is a whole number of samples."""
+    ids, cu = batch["input_ids"], batch["cu_seqlens"]
+    if world == 1:
+        return ids, cu, 1.0
+    lo, hi = rank * tokens_per_rank, (rank + 1) * tokens_per_rank
+    local = cu[(cu >= lo) & (cu <= hi)] - lo
+    predicted = lambda c: int(c[-1] - c[0]) - (c.numel() - 1)  # noqa: E731 - one position per document has no target
+    return ids[:, lo:hi], local, predicted(local) * world / predicted(cu)
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        torch.distributed.barrier()
+
+
+def _quiet(*args, **kwargs) -> None:
+    pass
 
 
 def resolve_device(name: str) -> torch.device:
@@ -125,8 +150,17 @@ def evaluate(model, dataset: PackedDataset, batch_size: int, max_batches: int, d
 
 def train(cfg: TrainConfig, log=print) -> dict:
     run = Path(cfg.out)
-    run.mkdir(parents=True, exist_ok=True)
-    device = resolve_device(cfg.device)
+    rank, world, dp_device = init_from_env()
+    if world != cfg.dp:
+        raise ValueError(f"--dp {cfg.dp} but {world} process(es) are running: start --dp N under "
+                         f"`torchrun --nproc_per_node N -m k3 train ...` (expert and context parallelism are not "
+                         f"composed into k3 train yet)")
+    if rank == 0:
+        run.mkdir(parents=True, exist_ok=True)
+    _barrier(world)
+    device = dp_device if world > 1 else resolve_device(cfg.device)
+    if rank != 0:
+        log = _quiet
     resume_from = find_checkpoint(run)
     if resume_from is not None:
         saved = json.loads((resume_from / "train_config.json").read_text())
@@ -138,7 +172,10 @@ def train(cfg: TrainConfig, log=print) -> dict:
 
     docs = _documents(cfg)
     train_docs, val_docs = split_documents(docs, cfg.val_fraction, cfg.seed)
-    tok = _tokenizer(cfg, train_docs, run, resume_from)
+    tok = _tokenizer(cfg, train_docs, run, resume_from) if rank == 0 else None
+    _barrier(world)
+    if tok is None:  # the other ranks read the tokenizer rank 0 trained (or the checkpoint's)
+        tok = load_tokenizer((resume_from or run) / "tokenizer.json")
     eos = eos_id(tok)
     train_ids, val_ids = encode_documents(tok, train_docs), encode_documents(tok, val_docs)
     train_set = PackedDataset(train_ids, cfg.seq_len, eos, shuffle_seed=cfg.seed)
@@ -155,6 +192,8 @@ def train(cfg: TrainConfig, log=print) -> dict:
     model.set_kda_backend(cfg.kda_backend)
     model.model.gradient_checkpointing = cfg.activation_checkpointing
     model.train()
+    if world > 1:
+        apply_fsdp(model, world, device)  # parameters, gradients and optimiser state sharded over the ranks
     optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.steps, cfg.warmup_frac, cfg.min_lr_ratio)
     balancer = ExpertBalancer(model, method=cfg.balance) if cfg.balance != "none" and mcfg.num_experts else None
@@ -170,41 +209,48 @@ def train(cfg: TrainConfig, log=print) -> dict:
         set_rng_state(state["rng"])
         step, tokens = state["step"], state["tokens"]
         log(f"resumed from {resume_from} at step {step}")
-    metrics = MetricsLog(run / "metrics.jsonl", truncate_after_step=step if state is not None else None)
+    metrics = MetricsLog(run / "metrics.jsonl", truncate_after_step=step if state is not None else None) \
+        if rank == 0 else None
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     n_params = sum(p.numel() for p in model.parameters())
     log(f"k3 train: {n_params / 1e6:.2f}M params on {device}; {len(train_set)} train / {len(val_set)} val sequences "
         f"of {cfg.seq_len} tokens; val unigram entropy {entropy:.3f} nats/token")
-    (run / "run_info.json").write_text(json.dumps({"params": n_params, "unigram_entropy_nats": entropy,
-                                                   "train_sequences": len(train_set), "val_sequences": len(val_set),
-                                                   "train_config": cfg.to_json()}, indent=2) + "\n")
+    if rank == 0:
+        (run / "run_info.json").write_text(json.dumps({"params": n_params, "unigram_entropy_nats": entropy,
+                                                       "train_sequences": len(train_set), "val_sequences": len(val_set),
+                                                       "train_config": cfg.to_json()}, indent=2) + "\n")
 
-    batches = train_set.batches(cfg.batch_size)
-    progress = Progress(cfg.steps)
+    batches = train_set.batches(cfg.batch_size * world)  # the global batch; each rank trains on its slice
+    progress = Progress(cfg.steps) if rank == 0 else None
     last = {}
     t_last, tok_last = time.time(), tokens
     end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
     while step < end:
         loss_sum, mtp_sum = 0.0, 0.0
         for _ in range(cfg.grad_accum):
-            b = next(batches)
-            ids, cu = b["input_ids"].to(device), b["cu_seqlens"].to(device)
+            ids, cu, share = rank_slice(next(batches), rank, world, cfg.batch_size * cfg.seq_len)
+            ids, cu = ids.to(device), cu.to(device)
             with amp:
                 out = model(ids, cu_seqlens=cu, labels=ids, mtp_weight=cfg.mtp_weight)
-            (out["loss"] / cfg.grad_accum).backward()
-            loss_sum += out["lm_loss"].item() / cfg.grad_accum
+            # FSDP averages gradients over ranks; weighting each rank's mean by its share of the global batch's
+            # predicted tokens makes that average the global token mean, as in one process
+            (out["loss"] * share / cfg.grad_accum).backward()
+            loss_sum += mean_across_ranks(out["lm_loss"].item() * share) / cfg.grad_accum
             if "mtp_loss" in out:
-                mtp_sum += out["mtp_loss"].item() / cfg.grad_accum
+                mtp_sum += mean_across_ranks(out["mtp_loss"].item() * share) / cfg.grad_accum
             if balancer is not None:
                 balancer.observe()
-            tokens += ids.numel()
+            tokens += ids.numel() * world
         if not math.isfinite(loss_sum):
             raise FloatingPointError(f"loss became {loss_sum} at step {step}; lower --lr or check the data")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        if cfg.qk_clip_tau:
+            max_logits_across_ranks(model)
         clipped = qk_clip_(model, cfg.qk_clip_tau) if cfg.qk_clip_tau else 0
         load = balancer.step() if balancer is not None else None
         step += 1
@@ -217,8 +263,8 @@ def train(cfg: TrainConfig, log=print) -> dict:
         if clipped:
             rec["qk_clipped_heads"] = clipped
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            rec["val_loss"] = evaluate(model, val_set, cfg.batch_size, cfg.eval_batches, device, amp)
-        if step % cfg.log_every == 0 or "val_loss" in rec or step == cfg.steps:
+            rec["val_loss"] = evaluate(model, val_set, cfg.batch_size * world, cfg.eval_batches, device, amp)
+        if (step % cfg.log_every == 0 or "val_loss" in rec or step == cfg.steps) and rank == 0:
             now = time.time()
             rec["tokens_per_s"] = (tokens - tok_last) / max(now - t_last, 1e-9)
             t_last, tok_last = now, tokens
@@ -226,10 +272,15 @@ def train(cfg: TrainConfig, log=print) -> dict:
             progress.update(step, rec, force="val_loss" in rec)
         last = rec
         if step % cfg.save_every == 0 or step == end:
-            save_checkpoint(run, model, run / "tokenizer.json",
-                            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                             "balancer": balancer.state_dict() if balancer is not None else None,
-                             "data": train_set.state_dict(), "rng": rng_state(), "step": step, "tokens": tokens},
-                            cfg.to_json())
-    progress.close()
+            trainer = {"scheduler": scheduler.state_dict(), "step": step, "tokens": tokens, "rng": rng_state(),
+                       "balancer": balancer.state_dict() if balancer is not None else None,
+                       "data": train_set.state_dict()}
+            if world == 1:
+                save_checkpoint(run, model, run / "tokenizer.json", {**trainer, "optimizer": optimizer.state_dict()},
+                                cfg.to_json())
+            else:
+                save_checkpoint(run, model, run / "tokenizer.json", trainer, cfg.to_json(),
+                                model_state=full_model_state(model), optimizer_shard=optimizer.state_dict())
+    if progress is not None:
+        progress.close()
     return {"step": step, "last": last, "unigram_entropy": entropy, "run": str(run), "params": n_params}

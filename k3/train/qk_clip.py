@@ -30,14 +30,19 @@ def enable_max_logit_tracking(model: nn.Module, on: bool = True) -> int:
 @torch.no_grad()
 def scale_head_logits_(layer: GatedMLA, gamma: torch.Tensor) -> None:
     """Scale head h's logits by ``gamma[h]`` [H] in place (see the module docstring); gamma 1 leaves a head
-    bit-for-bit unchanged."""
+    bit-for-bit unchanged. Works on plain and on FSDP2-sharded (DTensor) weights alike: the per-row factors
+    are built for the whole matrix and each rank applies its own rows."""
+    from .optim.muon import _like
+
     H, Dn, Dr, Dv = layer.num_heads, layer.nope, layer.pe, layer.dv
-    q_w = (layer.q_b_proj if hasattr(layer, "q_b_proj") else layer.q_proj).weight.view(H, Dn + Dr, -1)
-    kv_w = layer.kv_b_proj.weight.view(H, Dn + Dv, -1)
-    g = gamma.to(device=q_w.device, dtype=torch.float32)[:, None, None]
-    q_w[:, :Dn] = (q_w[:, :Dn].float() * g.sqrt()).to(q_w.dtype)
-    q_w[:, Dn:] = (q_w[:, Dn:].float() * g).to(q_w.dtype)
-    kv_w[:, :Dn] = (kv_w[:, :Dn].float() * g.sqrt()).to(kv_w.dtype)
+    g = gamma.to(torch.float32).cpu()
+    q_rows = torch.cat([g.sqrt()[:, None].expand(H, Dn), g[:, None].expand(H, Dr)], 1).reshape(-1)  # [H*(Dn+Dr)]
+    kv_rows = torch.cat([g.sqrt()[:, None].expand(H, Dn), torch.ones(H, Dv)], 1).reshape(-1)  # [H*(Dn+Dv)]
+    for w, rows in (((layer.q_b_proj if hasattr(layer, "q_b_proj") else layer.q_proj).weight, q_rows),
+                    (layer.kv_b_proj.weight, kv_rows)):
+        factor = rows.to(w.device)[:, None].expand(w.shape)
+        w.copy_((w.float() * _like(w, factor)).to(w.dtype) if not hasattr(w, "device_mesh")
+                else w * _like(w, factor.to(w.dtype)))
 
 
 @torch.no_grad()

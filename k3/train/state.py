@@ -9,6 +9,8 @@ A checkpoint is a directory ``RUN/checkpoint``:
 
 It is written into a temporary sibling directory and renamed into place, so a crash mid-write leaves the
 previous checkpoint intact (``checkpoint.old`` is only there during the swap and is used if found alone).
+Under data parallelism (FSDP2) the model is gathered to full tensors and written once, and each rank adds
+``optimizer.rank{r}.pt``; such a checkpoint resumes with the same number of ranks.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..checkpoint import CheckpointError, load_pretrained, save_pretrained
 from ..config import K3Config
@@ -40,24 +42,45 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: Path, model, tokenizer_path: Path, trainer_state: dict, train_config: dict) -> Path:
+def save_checkpoint(run_dir: Path, model, tokenizer_path: Path, trainer_state: dict, train_config: dict,
+                    model_state: dict | None = None, optimizer_shard: dict | None = None) -> Path:
+    """Write RUN/checkpoint atomically. Under data parallelism every rank calls this (collectively):
+    ``model_state`` is the gathered full state (written by rank 0) and each rank writes its own
+    ``optimizer.rank{r}.pt`` (the optimiser state of its FSDP shards)."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     run_dir = Path(run_dir)
-    tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=".checkpoint.tmp-"))
+    tmp = run_dir / f".checkpoint.tmp-{trainer_state['step']}"
     try:
-        save_pretrained(model, tmp)
-        shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
-        torch.save(trainer_state, tmp / "trainer_state.pt")
-        (tmp / "train_config.json").write_text(json.dumps(train_config, indent=2) + "\n")
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        _barrier(world)
+        if optimizer_shard is not None:
+            torch.save(optimizer_shard, tmp / f"optimizer.rank{rank}.pt")
+        if rank == 0:
+            save_pretrained(model, tmp, state=model_state)
+            shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+            torch.save({**trainer_state, "world_size": world}, tmp / "trainer_state.pt")
+            (tmp / "train_config.json").write_text(json.dumps(train_config, indent=2) + "\n")
+        _barrier(world)
         final, old = run_dir / NAME, run_dir / OLD
-        if final.exists():
+        if rank == 0:
+            if final.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+            os.replace(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        _barrier(world)
         return final
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()
 
 
 def find_checkpoint(run_dir: Path) -> Path | None:
@@ -77,8 +100,20 @@ def load_checkpoint(ckpt: Path, expected: K3Config | None, device="cpu"):
         raise CheckpointError(f"{ckpt} was written for another model config (fields differ: {diff}); "
                               f"resume with the same --preset/--config or start a new --out directory")
     model = load_pretrained(ckpt, config=saved, device=device, dtype=torch.float32)
-    try:
-        state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is damaged
-        raise CheckpointError(f"{ckpt / 'trainer_state.pt'} could not be read (truncated or corrupt?): {e}") from None
+    state = _load(ckpt / "trainer_state.pt")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if state.get("world_size", 1) != world:
+        raise CheckpointError(f"{ckpt} was written by {state.get('world_size', 1)} data-parallel ranks; resume it "
+                              f"with the same number of processes (got {world})")
+    if world > 1:
+        state["optimizer"] = _load(ckpt / f"optimizer.rank{dist.get_rank()}.pt")
     return model, state
+
+
+def _load(path: Path):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete") from None
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is damaged
+        raise CheckpointError(f"{path} could not be read (truncated or corrupt?): {e}") from None

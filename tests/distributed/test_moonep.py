@@ -3,8 +3,6 @@ on random and adversarial loads; Theorem 2's tight load; a naive greedy pour tha
 
 import math
 import random
-import statistics
-import time
 from collections import Counter
 
 import pytest
@@ -228,11 +226,7 @@ def test_validate_names_the_violation(bad, loads, R, match):
         validate(bad, loads, R)
 
 
-def test_planner_is_fast_at_k3_scale():
+def test_planner_at_k3_scale_is_valid():
+    """Speed is measured in benchmarks/bench_planner.py, not here; this checks the K3-scale plan itself."""
     loads = make_loads("zipf", 896, 128, 0, 4096 * 8)
-    times = []
-    for _ in range(20):
-        t0 = time.perf_counter()
-        plan(loads, 128)
-        times.append(time.perf_counter() - t0)
-    assert statistics.median(times) < 10e-3
+    validate(plan(loads, 128), loads, 128)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -166,7 +167,8 @@ class Muon(Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
             buf, mu = state["momentum_buffer"], group["momentum"]
             buf.lerp_(p.grad, 1 - mu)
-            u = to_blocks(p.grad.lerp(buf, mu) if group["nesterov"] else buf, kind, H)  # [N,A,B]
+            u = p.grad.lerp(buf, mu) if group["nesterov"] else buf
+            u = to_blocks(u.full_tensor() if isinstance(u, DTensor) else u, kind, H)  # [N,A,B], whole matrices
             blocks.append(u.mT if u.shape[-2] > u.shape[-1] else u)  # NS(X^T) = NS(X)^T: batch in one orientation
         O = newton_schulz(torch.cat(blocks), steps, eps=eps).split([b.shape[0] for b in blocks])
         scale = 0.2 * math.sqrt(n_max)
@@ -174,4 +176,16 @@ class Muon(Optimizer):
             A, _ = block_shape(p.shape, kind, H)
             o = o.mT if o.shape[-2] != A else o
             p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(from_blocks(o, kind, p.shape).to(p.dtype), alpha=-group["lr"] * scale)
+            p.add_(_like(p, from_blocks(o, kind, p.shape).to(p.dtype)), alpha=-group["lr"] * scale)
+
+
+def _like(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``full`` laid out like ``p``: as is, or (FSDP2 shards) this rank's piece of it as a DTensor. Every rank
+    orthogonalised the same whole matrix, so each just takes its own rows."""
+    if not isinstance(p, DTensor):
+        return full
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    local = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+    return DTensor.from_local(local.contiguous(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())

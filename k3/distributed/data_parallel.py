@@ -1,0 +1,81 @@
+"""Sharded data parallelism with FSDP2 (``fully_shard``) over a DeviceMesh (SPEC §8), applied from outside.
+
+``init_from_env()`` joins the process group torchrun describes (gloo on CPU, NCCL on CUDA); ``apply_fsdp``
+shards every decoder layer (and MTP layer) and then the root, so parameters, gradients and optimiser state
+are sharded along dim 0 across the data-parallel ranks. Collective helpers used by the training loop live
+here too: the loss average, the MAX of MLA max-logits (QK-clip must see the global maximum), and full
+(unsharded) state dicts for checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init_from_env() -> tuple[int, int, torch.device]:
+    """(rank, world_size, device). Without torchrun's environment: (0, 1, cuda-or-cpu) and no process group."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+    rank = dist.get_rank()
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return rank, world, torch.device("cuda", local)
+    return rank, world, torch.device("cpu")
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def apply_fsdp(model: torch.nn.Module, world: int, device: torch.device):
+    """fully_shard each DecoderLayer / MTP layer, then the whole model, on a 1-D mesh of ``world`` ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    for layer in list(model.model.layers) + list(model.mtp):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return mesh
+
+
+def mean_across_ranks(x: float) -> float:
+    if not is_distributed():
+        return x
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+def max_logits_across_ranks(model: torch.nn.Module) -> None:
+    """QK-clip must compare the GLOBAL max logit of each head with tau: all-reduce (MAX) what each rank saw."""
+    if not is_distributed():
+        return
+    from ..layers.sequence.mla import GatedMLA
+
+    for m in model.modules():
+        if isinstance(m, GatedMLA) and getattr(m, "max_logit", None) is not None:
+            dist.all_reduce(m.max_logit, op=dist.ReduceOp.MAX)
+
+
+def full_model_state(model: torch.nn.Module) -> dict:
+    """Unsharded tensors (on CPU) of every parameter and buffer: collective, every rank must call it."""
+    if not is_distributed():
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_model_state(model: torch.nn.Module, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))

@@ -57,14 +57,16 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    import torch.distributed as dist
+    from ..distributed.data_parallel import DataParallel
 
+    cfg = config_from_args(args, TrainConfig(out=args.out))
+    par = DataParallel.from_env() if cfg.dp > 1 or DataParallel.launched() else None
     try:
-        result = train(config_from_args(args, TrainConfig(out=args.out)))
+        result = train(cfg, parallel=par)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    if dist.is_available() and int(__import__("os").environ.get("RANK", "0")) != 0:
+        if par is not None:
+            par.close()
+    if par is not None and par.rank != 0:
         return 0
     last = result["last"]
     print(f"done: step {result['step']}, loss {last.get('loss', float('nan')):.4f}"

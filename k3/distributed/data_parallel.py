@@ -79,3 +79,41 @@ def load_full_model_state(model: torch.nn.Module, state: dict) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+
+class DataParallel:
+    """What ``k3.train.loop.train`` needs from a data-parallel run, bundled (the loop never imports this
+    package: ``k3 train`` builds one with ``from_env`` and passes it in)."""
+
+    def __init__(self, rank: int, world: int, device: torch.device):
+        self.rank, self.world, self.device = rank, world, device
+
+    @classmethod
+    def from_env(cls) -> "DataParallel":
+        return cls(*init_from_env())
+
+    @staticmethod
+    def launched() -> bool:
+        """True under torchrun (or any launcher that sets WORLD_SIZE > 1)."""
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+    def shard(self, model: torch.nn.Module) -> None:
+        if self.world > 1:
+            apply_fsdp(model, self.world, self.device)
+
+    def mean(self, x: float) -> float:
+        return mean_across_ranks(x)
+
+    def sync_max_logits(self, model: torch.nn.Module) -> None:
+        max_logits_across_ranks(model)
+
+    def full_state(self, model: torch.nn.Module) -> dict:
+        return full_model_state(model)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -20,8 +20,6 @@ from ..config import K3Config
 from ..data import (PackedDataset, encode_documents, eos_id, load_documents, load_tokenizer, save_tokenizer,
                     split_documents, stdlib_documents, train_tokenizer, unigram_entropy)
 from ..model.transformer import K3ForCausalLM
-from ..distributed.data_parallel import (apply_fsdp, full_model_state, init_from_env, max_logits_across_ranks,
-                                         mean_across_ranks)
 from .balance import ExpertBalancer
 from .metrics import MetricsLog, Progress
 from .optim import build_optimizer
@@ -80,9 +78,28 @@ def rank_slice(batch: dict, rank: int, world: int, tokens_per_rank: int):
     return ids[:, lo:hi], local, predicted(local) * world / predicted(cu)
 
 
-def _barrier(world: int) -> None:
-    if world > 1:
-        torch.distributed.barrier()
+class SingleProcess:
+    """The parallel context of a one-process run (k3.distributed.data_parallel.DataParallel for several)."""
+
+    rank, world = 0, 1
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def shard(self, model) -> None:
+        pass
+
+    def mean(self, x: float) -> float:
+        return x
+
+    def sync_max_logits(self, model) -> None:
+        pass
+
+    def full_state(self, model) -> dict:
+        return model.state_dict()
+
+    def barrier(self) -> None:
+        pass
 
 
 def _quiet(*args, **kwargs) -> None:
@@ -148,17 +165,19 @@ def evaluate(model, dataset: PackedDataset, batch_size: int, max_batches: int, d
     return total / max(n, 1)
 
 
-def train(cfg: TrainConfig, log=print) -> dict:
+def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
+    """Run (or resume) training. ``parallel``: a k3.distributed DataParallel under torchrun, else one process."""
     run = Path(cfg.out)
-    rank, world, dp_device = init_from_env()
+    par = parallel or SingleProcess(resolve_device(cfg.device))
+    rank, world = par.rank, par.world
     if world != cfg.dp:
         raise ValueError(f"--dp {cfg.dp} but {world} process(es) are running: start --dp N under "
                          f"`torchrun --nproc_per_node N -m k3 train ...` (expert and context parallelism are not "
                          f"composed into k3 train yet)")
     if rank == 0:
         run.mkdir(parents=True, exist_ok=True)
-    _barrier(world)
-    device = dp_device if world > 1 else resolve_device(cfg.device)
+    par.barrier()
+    device = par.device
     if rank != 0:
         log = _quiet
     resume_from = find_checkpoint(run)
@@ -173,7 +192,7 @@ def train(cfg: TrainConfig, log=print) -> dict:
     docs = _documents(cfg)
     train_docs, val_docs = split_documents(docs, cfg.val_fraction, cfg.seed)
     tok = _tokenizer(cfg, train_docs, run, resume_from) if rank == 0 else None
-    _barrier(world)
+    par.barrier()
     if tok is None:  # the other ranks read the tokenizer rank 0 trained (or the checkpoint's)
         tok = load_tokenizer((resume_from or run) / "tokenizer.json")
     eos = eos_id(tok)
@@ -192,8 +211,7 @@ def train(cfg: TrainConfig, log=print) -> dict:
     model.set_kda_backend(cfg.kda_backend)
     model.model.gradient_checkpointing = cfg.activation_checkpointing
     model.train()
-    if world > 1:
-        apply_fsdp(model, world, device)  # parameters, gradients and optimiser state sharded over the ranks
+    par.shard(model)  # FSDP2 under data parallelism: parameters, gradients and optimiser state sharded
     optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.steps, cfg.warmup_frac, cfg.min_lr_ratio)
     balancer = ExpertBalancer(model, method=cfg.balance) if cfg.balance != "none" and mcfg.num_experts else None
@@ -235,9 +253,9 @@ def train(cfg: TrainConfig, log=print) -> dict:
             # FSDP averages gradients over ranks; weighting each rank's mean by its share of the global batch's
             # predicted tokens makes that average the global token mean, as in one process
             (out["loss"] * share / cfg.grad_accum).backward()
-            loss_sum += mean_across_ranks(out["lm_loss"].item() * share) / cfg.grad_accum
+            loss_sum += par.mean(out["lm_loss"].item() * share) / cfg.grad_accum
             if "mtp_loss" in out:
-                mtp_sum += mean_across_ranks(out["mtp_loss"].item() * share) / cfg.grad_accum
+                mtp_sum += par.mean(out["mtp_loss"].item() * share) / cfg.grad_accum
             if balancer is not None:
                 balancer.observe()
             tokens += ids.numel() * world
@@ -250,7 +268,7 @@ def train(cfg: TrainConfig, log=print) -> dict:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         if cfg.qk_clip_tau:
-            max_logits_across_ranks(model)
+            par.sync_max_logits(model)
         clipped = qk_clip_(model, cfg.qk_clip_tau) if cfg.qk_clip_tau else 0
         load = balancer.step() if balancer is not None else None
         step += 1
@@ -280,7 +298,7 @@ def train(cfg: TrainConfig, log=print) -> dict:
                                 cfg.to_json())
             else:
                 save_checkpoint(run, model, run / "tokenizer.json", trainer, cfg.to_json(),
-                                model_state=full_model_state(model), optimizer_shard=optimizer.state_dict())
+                                model_state=par.full_state(model), optimizer_shard=optimizer.state_dict())
     if progress is not None:
         progress.close()
     return {"step": step, "last": last, "unigram_entropy": entropy, "run": str(run), "params": n_params}

@@ -1,0 +1,201 @@
+"""Context parallelism for the whole K3 model (SPEC §8), applied from outside the single-device model.
+
+Legend: B batch, T this rank's tokens, S keys seen by this rank (= end), D hidden, H heads, K head dim,
+R kv_lora_rank, Dr rope dim, V vocab, W conv width.
+
+Rank r of the CP group holds the r-th contiguous segment [start, end) of every sequence (for packed documents:
+of the one packed row [1, T_global]; segments may differ in length but must tile [0, T_global) in rank order).
+Only the token mixers see across tokens; AttnRes, norms, MoE and the head are per token and need nothing. So a
+``ContextParallel`` object is handed to the model as its ``cache=`` (``DecoderLayer.forward`` then calls
+``cp.attend(layer, x)`` instead of the layer's own token mixer):
+
+  - KDA (``_attend_kda``): KimiDeltaAttention.forward with the layer's own submodules, except that the q/k/v
+    short convolutions take their W-1 halo from the previous rank (``kcp_short_conv``) and the recurrence starts
+    from the exact carried state (``kcp_chunk_kda``: one fixed-size all-gather of (M, S~)).
+  - MLA (``_attend_mla``): this rank's latents (c_kv, k_pe) are all-gathered along time (``gather_sequence``,
+    backward: all-reduce of the gathered gradient, then this rank's slice); this rank's queries attend over
+    keys [0, end) under a causal + same-document mask in GLOBAL positions, with weight absorption
+    (``GatedMLA.attend_absorbed``, exact in fp32).
+
+Loss: ``cp_shifted_targets`` gives each rank its next-token targets (the target of its last token is the next
+rank's first token, ignored across a document boundary); ``cp_loss_sum`` returns (sum, count), and the global
+mean is sum / all-reduced count (``cp_mean_loss``), which equals the single-process loss. Parameter gradients
+are then the SUM over CP ranks (all-reduce them, as data parallel does).
+
+Every rank must run every forward and backward of the model together: the halos, the KDA scan and the latent
+gather are collectives.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..ops import kda as kda_ops
+from ..ops.norms import l2_norm
+from .kcp import kcp_chunk_kda, kcp_short_conv, local_cu_seqlens
+
+__all__ = ["ContextParallel", "gather_sequence", "cp_shifted_targets", "cp_loss_sum", "cp_mean_loss"]
+
+
+class _GatherSequence(torch.autograd.Function):
+    """x [B,T_r,C] on every rank -> [B,sum_r T_r,C] (ranks in order); backward: all-reduce, take own slice."""
+
+    @staticmethod
+    def forward(ctx, x, group, ranges):
+        r = dist.get_rank(group)
+        longest = max(e - s for s, e in ranges)
+        padded = F.pad(x, (0, 0, 0, longest - x.shape[1])).contiguous()  # gloo wants equal sizes
+        parts = [torch.empty_like(padded) for _ in ranges]
+        dist.all_gather(parts, padded, group=group)
+        ctx.group, ctx.own = group, ranges[r]
+        return torch.cat([p[:, : e - s] for p, (s, e) in zip(parts, ranges)], dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)  # every rank's loss may read every rank's latents
+        s, e = ctx.own
+        return grad[:, s:e], None, None
+
+
+def gather_sequence(x: torch.Tensor, group, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """Differentiable all-gather along time: x [B,T,C] (this rank's [start, end)) -> [B,T_global,C]."""
+    return _GatherSequence.apply(x, group, ranges)
+
+
+def _document_ids(cu_seqlens: torch.Tensor | None, total: int, device) -> torch.Tensor:
+    """[T_global] index of the document of every position (all zeros without cu_seqlens)."""
+    doc = torch.zeros(total, dtype=torch.long, device=device)
+    if cu_seqlens is not None:
+        inner = cu_seqlens[1:-1].to(device)
+        doc.index_add_(0, inner, torch.ones_like(inner))
+    return doc.cumsum(0)
+
+
+def _rank_ranges(group, start: int, end: int, device) -> list[tuple[int, int]]:
+    """All ranks' [start, end), checked to tile [0, T_global) in rank order."""
+    mine = torch.tensor([start, end], dtype=torch.long)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    ranges = [(int(p[0]), int(p[1])) for p in parts]
+    prev = 0
+    for r, (s, e) in enumerate(ranges):
+        if s != prev or e <= s:
+            raise ValueError(f"CP ranks must hold contiguous, non-empty segments tiling [0, T) in rank order; got "
+                             f"{ranges} (rank {r} should start at {prev})")
+        prev = e
+    return ranges
+
+
+class ContextParallel:
+    """The CP view of one forward, passed as ``cache=`` to ``K3ForCausalLM.forward`` / ``K3Model.forward``.
+
+    group: the CP process group (None = default). start, end: this rank's token range in the global sequence.
+    cu_seqlens: GLOBAL document boundaries [N+1] of the packed row (B = 1), or None for unpacked batches.
+    Construction is a collective (one small all-gather of the ranges): every rank of ``group`` builds its own.
+    Build a new one for every batch; call the model with ``cu_seqlens=None`` (this object carries them).
+    """
+
+    def __init__(self, group=None, start: int = 0, end: int | None = None, cu_seqlens: torch.Tensor | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("ContextParallel needs torch.distributed initialised (dist.init_process_group)")
+        if end is None:
+            raise ValueError("ContextParallel needs this rank's token range: start and end")
+        self.group, self.start, self.end = group, int(start), int(end)
+        self.ranges = _rank_ranges(group, self.start, self.end, None)
+        self.total = self.ranges[-1][1]
+        if cu_seqlens is not None:
+            cu_seqlens = cu_seqlens.to(torch.long)
+            if int(cu_seqlens[-1]) != self.total:
+                raise ValueError(f"global cu_seqlens must end at the total length {self.total} of the rank ranges; "
+                                 f"got {cu_seqlens.tolist()}")
+            self.cu_local, self.continues = local_cu_seqlens(cu_seqlens, self.start, self.end)
+        else:
+            self.cu_local, self.continues = None, True
+        self.cu_seqlens = cu_seqlens
+        doc = _document_ids(cu_seqlens, self.total, cu_seqlens.device if cu_seqlens is not None else None)
+        q_pos, k_pos = torch.arange(self.start, self.end), torch.arange(self.end)
+        self.mask = ((doc[q_pos, None] == doc[None, k_pos]) & (k_pos[None, :] <= q_pos[:, None]))[None]  # [1,T,S]
+        first = torch.searchsorted(cu_seqlens, torch.arange(self.total), right=True) - 1 if cu_seqlens is not None \
+            else torch.zeros(self.total, dtype=torch.long)
+        starts = cu_seqlens[first] if cu_seqlens is not None else torch.zeros(self.total, dtype=torch.long)
+        self.positions = (torch.arange(self.total) - starts)[None, self.start:self.end]  # [1,T] in-document
+
+    def attend(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """The token mixer of ``layer`` (a DecoderLayer) on this rank's tokens x [B,T,D] -> [B,T,D]."""
+        if x.shape[1] != self.end - self.start:
+            raise ValueError(f"rank holds [{self.start}, {self.end}) = {self.end - self.start} tokens; "
+                             f"the model got {x.shape[1]}")
+        if self.cu_seqlens is not None and x.shape[0] != 1:
+            raise ValueError(f"packed documents (cu_seqlens) need batch 1; got batch {x.shape[0]}")
+        if layer.kind == "kda":
+            return self._attend_kda(layer.self_attn, x)
+        return self._attend_mla(layer.self_attn, x)
+
+    def _conv(self, proj, conv, x):
+        return kcp_short_conv(proj(x), conv.weight, self.group, self.cu_local, self.continues)
+
+    def _attend_kda(self, attn, x):
+        """KimiDeltaAttention.forward (training, no state) with the halo'd convs and the KCP recurrence."""
+        B, T, _ = x.shape
+        H, K = attn.num_heads, attn.head_dim
+        q = self._conv(attn.q_proj, attn.q_conv1d, x)
+        k = self._conv(attn.k_proj, attn.k_conv1d, x)
+        v = self._conv(attn.v_proj, attn.v_conv1d, x)
+        q, k, v = l2_norm(q.view(B, T, H, K)), l2_norm(k.view(B, T, H, K)), v.view(B, T, H, K)
+        g = kda_ops.kda_gate(attn.f_b_proj(attn.f_a_proj(x)).view(B, T, H, K), attn.A_log, attn.dt_bias,
+                             attn.gate_kind, attn.lower_bound)
+        beta = torch.sigmoid(attn.b_proj(x).float())
+        lb = attn.lower_bound if attn.gate_kind == "lower_bound" else None
+        o, _ = kcp_chunk_kda(q, k, v, g, beta, self.group, cu_seqlens=self.cu_local,
+                             first_doc_continues=self.continues, backend=attn.backend, lower_bound=lb)
+        o = attn.o_norm(o, attn._output_gate(x).view(B, T, H, K))
+        return attn.o_proj(o.reshape(B, T, H * K).to(x.dtype))
+
+    def _attend_mla(self, mla, x):
+        """This rank's queries over the gathered latents of keys [0, end), absorbed form, global mask."""
+        B, T, _ = x.shape
+        positions = self.positions.to(x.device).expand(B, T)
+        c_kv, k_pe = mla.latent(x, positions)  # [B,T,R], [B,T,Dr]
+        lat = gather_sequence(torch.cat([c_kv, k_pe], dim=-1), self.group, self.ranges)[:, : self.end]  # [B,S,R+Dr]
+        c_all, pe_all = lat.split([c_kv.shape[-1], k_pe.shape[-1]], dim=-1)
+        mask = self.mask.to(x.device).expand(B, T, self.end)
+        return mla.attend_absorbed(x, c_all, pe_all, mask, positions)
+
+
+def cp_shifted_targets(labels_global: torch.Tensor, cu_seqlens: torch.Tensor | None, start: int,
+                       end: int) -> torch.Tensor:
+    """Next-token targets of this rank's tokens: labels_global [B,T_global] (usually the input ids) ->
+    [B,T] with target[t] = label[t+1], -100 (ignore) at the global end and wherever t+1 starts a new document.
+    The target of the last local token is the next rank's first label, as in the single-process loss."""
+    B, T_global = labels_global.shape
+    if not 0 <= start < end <= T_global:
+        raise ValueError(f"rank range [{start}, {end}) must be a non-empty part of [0, {T_global})")
+    tgt = torch.full_like(labels_global, -100)
+    tgt[:, :-1] = labels_global[:, 1:]
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"packed documents (cu_seqlens) need labels of batch 1; got batch {B}")
+        starts = cu_seqlens[1:-1].to(labels_global.device)
+        tgt[:, starts - 1] = -100  # the token before a document start predicts nothing
+    return tgt[:, start:end]
+
+
+def cp_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B,T,V], targets [B,T] (-100 = ignore) -> (summed CE fp32, number of counted targets)."""
+    V = logits.shape[-1]
+    total = F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1), ignore_index=-100, reduction="sum")
+    return total, (targets != -100).sum()
+
+
+def cp_mean_loss(logits: torch.Tensor, targets: torch.Tensor, group=None) -> torch.Tensor:
+    """This rank's share of the global mean CE: local sum / all-reduced count. The shares of all ranks add up to
+    the single-process loss, so backward on each share plus summed parameter gradients gives its gradients."""
+    total, count = cp_loss_sum(logits, targets)
+    count = count.clone()
+    dist.all_reduce(count, group=group)
+    if int(count) == 0:
+        raise ValueError("no counted targets on any CP rank (all -100)")
+    return total / count

@@ -41,3 +41,13 @@ def test_dp_refuses_a_mismatched_process_count(tmp_path):
     r = subprocess.run([sys.executable, "-m", "k3", "train", "--dp", "2"] + ARGS + ["--out", str(tmp_path / "x")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "torchrun --nproc_per_node" in r.stderr
+
+
+@pytest.mark.distributed
+def test_dp_resume_equals_uninterrupted(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "k3", "train",
+                "--batch-size", "2", "--dp", "2"]
+    straight = _run(torchrun, tmp_path / "a")
+    _run(torchrun + ["--stop-after", "2"], tmp_path / "b")
+    resumed = _run(torchrun, tmp_path / "b")  # the same command again resumes from step 2
+    assert [(r["step"], r["loss"]) for r in resumed] == [(r["step"], r["loss"]) for r in straight]

@@ -74,7 +74,7 @@ def _document_ids(cu_seqlens: torch.Tensor | None, total: int, device) -> torch.
     return doc.cumsum(0)
 
 
-def _rank_ranges(group, start: int, end: int, device) -> list[tuple[int, int]]:
+def _rank_ranges(group, start: int, end: int) -> list[tuple[int, int]]:
     """All ranks' [start, end), checked to tile [0, T_global) in rank order."""
     mine = torch.tensor([start, end], dtype=torch.long)
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
@@ -104,7 +104,7 @@ class ContextParallel:
         if end is None:
             raise ValueError("ContextParallel needs this rank's token range: start and end")
         self.group, self.start, self.end = group, int(start), int(end)
-        self.ranges = _rank_ranges(group, self.start, self.end, None)
+        self.ranges = _rank_ranges(group, self.start, self.end)
         self.total = self.ranges[-1][1]
         if cu_seqlens is not None:
             cu_seqlens = cu_seqlens.to(torch.long)
@@ -115,13 +115,11 @@ class ContextParallel:
         else:
             self.cu_local, self.continues = None, True
         self.cu_seqlens = cu_seqlens
-        doc = _document_ids(cu_seqlens, self.total, cu_seqlens.device if cu_seqlens is not None else None)
+        doc = _document_ids(cu_seqlens, self.total, torch.device("cpu"))
         q_pos, k_pos = torch.arange(self.start, self.end), torch.arange(self.end)
         self.mask = ((doc[q_pos, None] == doc[None, k_pos]) & (k_pos[None, :] <= q_pos[:, None]))[None]  # [1,T,S]
-        first = torch.searchsorted(cu_seqlens, torch.arange(self.total), right=True) - 1 if cu_seqlens is not None \
-            else torch.zeros(self.total, dtype=torch.long)
-        starts = cu_seqlens[first] if cu_seqlens is not None else torch.zeros(self.total, dtype=torch.long)
-        self.positions = (torch.arange(self.total) - starts)[None, self.start:self.end]  # [1,T] in-document
+        doc_start = cu_seqlens.cpu()[doc] if cu_seqlens is not None else torch.zeros(self.total, dtype=torch.long)
+        self.positions = (torch.arange(self.total) - doc_start)[None, self.start:self.end]  # [1,T] in-document (RoPE)
 
     def attend(self, layer, x: torch.Tensor) -> torch.Tensor:
         """The token mixer of ``layer`` (a DecoderLayer) on this rank's tokens x [B,T,D] -> [B,T,D]."""

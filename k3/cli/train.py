@@ -36,6 +36,8 @@ def add_train_arguments(p, defaults: TrainConfig) -> None:
     p.add_argument("--activation-checkpointing", action="store_true", default=d.activation_checkpointing)
     p.add_argument("--dp", type=int, default=d.dp, help="data-parallel ranks (FSDP2); run under torchrun with "
                    "--nproc_per_node equal to it; --batch-size is per rank")
+    p.add_argument("--cp", type=int, default=d.cp, help="context-parallel ranks (KCP): each sequence is split "
+                   "along time; run under torchrun with --nproc_per_node equal to it; needs --mtp-weight 0")
     p.add_argument("--stop-after", type=int, default=d.stop_after, metavar="STEP",
                    help="stop after this step with a checkpoint; run the same command again to resume")
 
@@ -48,7 +50,7 @@ def config_from_args(args, base: TrainConfig) -> TrainConfig:
         balance=args.balance, mtp_weight=args.mtp_weight, qk_clip_tau=args.qk_clip or None,
         eval_every=args.eval_every, log_every=args.log_every, save_every=args.save_every, seed=args.seed,
         device=args.device, kda_backend=args.kda_backend, activation_checkpointing=args.activation_checkpointing,
-        stop_after=args.stop_after, dp=args.dp)
+        stop_after=args.stop_after, dp=args.dp, cp=args.cp)
 
 
 def add_arguments(p) -> None:
@@ -57,10 +59,14 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from ..distributed.context_parallel import ContextParallelTraining
     from ..distributed.data_parallel import DataParallel
 
     cfg = config_from_args(args, TrainConfig(out=args.out))
-    par = DataParallel.from_env() if cfg.dp > 1 or DataParallel.launched() else None
+    if cfg.cp > 1:
+        par = ContextParallelTraining.from_env()
+    else:
+        par = DataParallel.from_env() if cfg.dp > 1 or DataParallel.launched() else None
     try:
         result = train(cfg, parallel=par)
     finally:

@@ -197,3 +197,58 @@ def cp_mean_loss(logits: torch.Tensor, targets: torch.Tensor, group=None) -> tor
     if int(count) == 0:
         raise ValueError("no counted targets on any CP rank (all -100)")
     return total / count
+
+
+class ContextParallelTraining:
+    """The parallel context ``k3.train.loop.train`` takes for ``k3 train --cp N``: every rank sees the same
+    global batch and trains on its contiguous segment of the packed row; parameters are replicated and their
+    gradients summed over the ranks (the loss is a sum over this rank's targets / the global target count).
+    MTP and QK-clip tracking are not supported under CP yet (``mtp_weight`` must be 0)."""
+
+    def __init__(self, rank: int, world: int, device: torch.device):
+        self.rank, self.world, self.device = rank, world, device
+
+    @classmethod
+    def from_env(cls) -> "ContextParallelTraining":
+        from .data_parallel import init_from_env
+
+        return cls(*init_from_env())
+
+    def shard(self, model) -> None:
+        for p in model.parameters():  # every rank must start from the same weights (rank 0's)
+            dist.broadcast(p.data, src=0)
+
+    def mean(self, x: float) -> float:
+        return x  # the loss below is already the global one
+
+    def sync_max_logits(self, model) -> None:
+        pass
+
+    def full_state(self, model) -> dict:
+        return model.state_dict()
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def loss(self, model, batch: dict, mtp_weight: float, device):
+        if mtp_weight and len(getattr(model, "mtp", ())):
+            raise ValueError("MTP under context parallelism is not implemented: pass --mtp-weight 0")
+        ids, cu = batch["input_ids"].to(device), batch["cu_seqlens"].to(device)
+        T = ids.shape[1]
+        n = -(-T // self.world)
+        start, end = min(self.rank * n, T), min((self.rank + 1) * n, T)
+        cp = ContextParallel(None, start, end, cu)
+        logits = model(ids[:, start:end], cache=cp)["logits"]
+        loss = cp_mean_loss(logits, cp_shifted_targets(ids, cu, start, end))
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # the global mean: each rank holds its share of it
+        return loss, total.item(), None, T
+
+    def reduce_grads(self, model) -> None:
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)

@@ -117,3 +117,31 @@ class DataParallel:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def loss(self, model, batch: dict, mtp_weight: float, device):
+        """This rank's slice of the global batch. FSDP averages gradients over ranks; weighting each rank's mean
+        by its share of the global batch's predicted tokens makes that average the global token mean, exactly
+        as in one process. Returns (loss to backpropagate, lm loss, mtp loss or None, global tokens)."""
+        ids, cu, share = rank_slice(batch, self.rank, self.world)
+        ids, cu = ids.to(device), cu.to(device)
+        out = model(ids, cu_seqlens=cu, labels=ids, mtp_weight=mtp_weight)
+        mtp = self.mean(out["mtp_loss"].item() * share) if "mtp_loss" in out else None
+        return out["loss"] * share, self.mean(out["lm_loss"].item() * share), mtp, batch["input_ids"].numel()
+
+    def reduce_grads(self, model) -> None:
+        pass  # FSDP2 reduce-scatters gradients in backward
+
+
+def rank_slice(batch: dict, rank: int, world: int):
+    """This rank's part of a packed global batch of ``world`` equal slices: (input_ids [1,n], cu_seqlens, share),
+    share = this rank's predicted tokens * world / the global batch's. Sample boundaries are document
+    boundaries, so a slice is a whole number of samples."""
+    ids, cu = batch["input_ids"], batch["cu_seqlens"]
+    n = ids.shape[1] // world
+    lo, hi = rank * n, (rank + 1) * n
+    local = cu[(cu >= lo) & (cu <= hi)] - lo
+
+    def predicted(c):  # one position per document has no target of its own
+        return int(c[-1] - c[0]) - (c.numel() - 1)
+
+    return ids[:, lo:hi], local, predicted(local) * world / predicted(cu)

@@ -103,7 +103,7 @@ class K3ForCausalLM(nn.Module):
             return out
         loss = _shifted_ce(logits, labels, 1, cu_seqlens)
         out["lm_loss"] = loss
-        if len(self.mtp):
+        if len(self.mtp) and mtp_weight:  # MTP layers run only when their loss counts
             mtp_losses = []
             for i, layer in enumerate(self.mtp):
                 k = i + 1  # layer i predicts token t + 1 + k from h_t and token t + k

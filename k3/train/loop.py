@@ -60,22 +60,10 @@ class TrainConfig:
     val_fraction: float = 0.05
     stop_after: int | None = None  # stop (with a checkpoint) after this step; rerun the same command to resume
     dp: int = 1  # data-parallel ranks (FSDP2) when run under torchrun; batch_size is per rank
+    cp: int = 1  # context-parallel ranks: every sequence is split along time over them (KCP + gathered MLA)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def rank_slice(batch: dict, rank: int, world: int, tokens_per_rank: int):
-    """This rank's part of a packed global batch: (input_ids [1,n], cu_seqlens, share), where share = this rank's
-    predicted tokens * world / the global batch's (1.0 in one process). Sample boundaries are document
-    boundaries, so a rank's slice is a whole number of samples."""
-    ids, cu = batch["input_ids"], batch["cu_seqlens"]
-    if world == 1:
-        return ids, cu, 1.0
-    lo, hi = rank * tokens_per_rank, (rank + 1) * tokens_per_rank
-    local = cu[(cu >= lo) & (cu <= hi)] - lo
-    predicted = lambda c: int(c[-1] - c[0]) - (c.numel() - 1)  # noqa: E731 - one position per document has no target
-    return ids[:, lo:hi], local, predicted(local) * world / predicted(cu)
 
 
 class SingleProcess:
@@ -99,6 +87,16 @@ class SingleProcess:
         return model.state_dict()
 
     def barrier(self) -> None:
+        pass
+
+    def loss(self, model, batch: dict, mtp_weight: float, device):
+        """-> (loss to backpropagate, lm loss, mtp loss or None, tokens this step over all ranks)."""
+        ids, cu = batch["input_ids"].to(device), batch["cu_seqlens"].to(device)
+        out = model(ids, cu_seqlens=cu, labels=ids, mtp_weight=mtp_weight)
+        mtp = out["mtp_loss"].item() if "mtp_loss" in out else None
+        return out["loss"], out["lm_loss"].item(), mtp, ids.numel()
+
+    def reduce_grads(self, model) -> None:
         pass
 
 
@@ -170,10 +168,11 @@ def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
     run = Path(cfg.out)
     par = parallel or SingleProcess(resolve_device(cfg.device))
     rank, world = par.rank, par.world
-    if world != cfg.dp:
-        raise ValueError(f"--dp {cfg.dp} but {world} process(es) are running: start --dp N under "
-                         f"`torchrun --nproc_per_node N -m k3 train ...` (expert and context parallelism are not "
-                         f"composed into k3 train yet)")
+    if world != cfg.dp * cfg.cp:
+        raise ValueError(f"--dp {cfg.dp} x --cp {cfg.cp} ranks but {world} process(es) are running: start them "
+                         f"under `torchrun --nproc_per_node N -m k3 train ...` with N = dp x cp")
+    if cfg.dp > 1 and cfg.cp > 1:
+        raise ValueError("--dp and --cp together (a 2-D mesh) are not composed yet: use one of them")
     if rank == 0:
         run.mkdir(parents=True, exist_ok=True)
     par.barrier()
@@ -238,7 +237,7 @@ def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
                                                        "train_sequences": len(train_set), "val_sequences": len(val_set),
                                                        "train_config": cfg.to_json()}, indent=2) + "\n")
 
-    batches = train_set.batches(cfg.batch_size * world)  # the global batch; each rank trains on its slice
+    batches = train_set.batches(cfg.batch_size * cfg.dp)  # the global batch; the parallel context splits it
     progress = Progress(cfg.steps) if rank == 0 else None
     last = {}
     t_last, tok_last = time.time(), tokens
@@ -246,19 +245,15 @@ def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
     while step < end:
         loss_sum, mtp_sum = 0.0, 0.0
         for _ in range(cfg.grad_accum):
-            ids, cu, share = rank_slice(next(batches), rank, world, cfg.batch_size * cfg.seq_len)
-            ids, cu = ids.to(device), cu.to(device)
             with amp:
-                out = model(ids, cu_seqlens=cu, labels=ids, mtp_weight=cfg.mtp_weight)
-            # FSDP averages gradients over ranks; weighting each rank's mean by its share of the global batch's
-            # predicted tokens makes that average the global token mean, as in one process
-            (out["loss"] * share / cfg.grad_accum).backward()
-            loss_sum += par.mean(out["lm_loss"].item() * share) / cfg.grad_accum
-            if "mtp_loss" in out:
-                mtp_sum += par.mean(out["mtp_loss"].item() * share) / cfg.grad_accum
+                loss, lm, mtp, n = par.loss(model, next(batches), cfg.mtp_weight, device)
+            (loss / cfg.grad_accum).backward()
+            loss_sum += lm / cfg.grad_accum
+            mtp_sum += (mtp or 0.0) / cfg.grad_accum
             if balancer is not None:
                 balancer.observe()
-            tokens += ids.numel() * world
+            tokens += n
+        par.reduce_grads(model)
         if not math.isfinite(loss_sum):
             raise FloatingPointError(f"loss became {loss_sum} at step {step}; lower --lr or check the data")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -281,7 +276,7 @@ def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
         if clipped:
             rec["qk_clipped_heads"] = clipped
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            rec["val_loss"] = evaluate(model, val_set, cfg.batch_size * world, cfg.eval_batches, device, amp)
+            rec["val_loss"] = evaluate(model, val_set, cfg.batch_size * cfg.dp, cfg.eval_batches, device, amp)
         if (step % cfg.log_every == 0 or "val_loss" in rec or step == cfg.steps) and rank == 0:
             now = time.time()
             rec["tokens_per_s"] = (tokens - tok_last) / max(now - t_last, 1e-9)

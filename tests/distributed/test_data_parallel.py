@@ -51,3 +51,16 @@ def test_dp_resume_equals_uninterrupted(tmp_path):
     _run(torchrun + ["--stop-after", "2"], tmp_path / "b")
     resumed = _run(torchrun, tmp_path / "b")  # the same command again resumes from step 2
     assert [(r["step"], r["loss"]) for r in resumed] == [(r["step"], r["loss"]) for r in straight]
+
+
+@pytest.mark.distributed
+def test_cp2_reproduces_the_single_process_loss_curve(tmp_path):
+    """`--cp 2`: every sequence split along time over two ranks (KCP in the KDA layers, gathered MLA latents)."""
+    common = ["--batch-size", "2", "--mtp-weight", "0"]
+    single = _run([sys.executable, "-m", "k3", "train"] + common, tmp_path / "one")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "k3", "train"]
+    cp = _run(torchrun + common + ["--cp", "2"], tmp_path / "cp")
+    for a, b in zip(single, cp):
+        assert abs(a["loss"] - b["loss"]) < 1e-5 * a["loss"], (a, b)
+        assert a["load_max_over_mean"] == b["load_max_over_mean"]
+    assert [r["step"] for r in cp] == [1, 2, 3, 4]

@@ -38,6 +38,8 @@ def add_train_arguments(p, defaults: TrainConfig) -> None:
                    "--nproc_per_node equal to it; --batch-size is per rank")
     p.add_argument("--cp", type=int, default=d.cp, help="context-parallel ranks (KCP): each sequence is split "
                    "along time; run under torchrun with --nproc_per_node equal to it; needs --mtp-weight 0")
+    p.add_argument("--ep", type=int, default=d.ep, help="expert-parallel ranks (MoonEP); run under torchrun with "
+                   "--nproc_per_node equal to it; --batch-size is per rank")
     p.add_argument("--stop-after", type=int, default=d.stop_after, metavar="STEP",
                    help="stop after this step with a checkpoint; run the same command again to resume")
 
@@ -50,7 +52,7 @@ def config_from_args(args, base: TrainConfig) -> TrainConfig:
         balance=args.balance, mtp_weight=args.mtp_weight, qk_clip_tau=args.qk_clip or None,
         eval_every=args.eval_every, log_every=args.log_every, save_every=args.save_every, seed=args.seed,
         device=args.device, kda_backend=args.kda_backend, activation_checkpointing=args.activation_checkpointing,
-        stop_after=args.stop_after, dp=args.dp, cp=args.cp)
+        stop_after=args.stop_after, dp=args.dp, cp=args.cp, ep=args.ep)
 
 
 def add_arguments(p) -> None:
@@ -65,6 +67,10 @@ def run(args) -> int:
     cfg = config_from_args(args, TrainConfig(out=args.out))
     if cfg.cp > 1:
         par = ContextParallelTraining.from_env()
+    elif cfg.ep > 1:
+        from ..distributed.expert_parallel import ExpertParallelTraining
+
+        par = ExpertParallelTraining.from_env()
     else:
         par = DataParallel.from_env() if cfg.dp > 1 or DataParallel.launched() else None
     try:

@@ -122,26 +122,37 @@ class DataParallel:
         """This rank's slice of the global batch. FSDP averages gradients over ranks; weighting each rank's mean
         by its share of the global batch's predicted tokens makes that average the global token mean, exactly
         as in one process. Returns (loss to backpropagate, lm loss, mtp loss or None, global tokens)."""
-        ids, cu, share = rank_slice(batch, self.rank, self.world)
-        ids, cu = ids.to(device), cu.to(device)
-        out = model(ids, cu_seqlens=cu, labels=ids, mtp_weight=mtp_weight)
-        mtp = self.mean(out["mtp_loss"].item() * share) if "mtp_loss" in out else None
-        return out["loss"] * share, self.mean(out["lm_loss"].item() * share), mtp, batch["input_ids"].numel()
+        return weighted_slice_loss(model, batch, mtp_weight, device, self.rank, self.world, self.mean)
 
     def reduce_grads(self, model) -> None:
         pass  # FSDP2 reduce-scatters gradients in backward
 
 
 def rank_slice(batch: dict, rank: int, world: int):
-    """This rank's part of a packed global batch of ``world`` equal slices: (input_ids [1,n], cu_seqlens, share),
-    share = this rank's predicted tokens * world / the global batch's. Sample boundaries are document
-    boundaries, so a slice is a whole number of samples."""
+    """This rank's part of a packed global batch of ``world`` equal slices: (input_ids [1,n], cu_seqlens,
+    shares), shares[d] = this rank's positions that predict the token d ahead (d = 1: next token, d = 2: the
+    first MTP layer's) * world / the global batch's. Sample boundaries are document boundaries, so a slice is a
+    whole number of samples."""
     ids, cu = batch["input_ids"], batch["cu_seqlens"]
     n = ids.shape[1] // world
     lo, hi = rank * n, (rank + 1) * n
     local = cu[(cu >= lo) & (cu <= hi)] - lo
 
-    def predicted(c):  # one position per document has no target of its own
-        return int(c[-1] - c[0]) - (c.numel() - 1)
+    def predicted(c, d):  # positions of a document that have a target d tokens ahead inside it
+        return int((c[1:] - c[:-1] - d).clamp(min=0).sum())
 
-    return ids[:, lo:hi], local, predicted(local) * world / predicted(cu)
+    shares = {d: predicted(local, d) * world / max(predicted(cu, d), 1) for d in (1, 2)}
+    return ids[:, lo:hi], local, shares
+
+
+def weighted_slice_loss(model, batch, mtp_weight, device, rank, world, mean):
+    """The loss of this rank's slice, each term weighted by its share of the global predictions."""
+    ids, cu, shares = rank_slice(batch, rank, world)
+    ids, cu = ids.to(device), cu.to(device)
+    out = model(ids, cu_seqlens=cu, labels=ids, mtp_weight=mtp_weight)
+    loss = out["lm_loss"] * shares[1]
+    mtp = None
+    if "mtp_loss" in out:
+        loss = loss + mtp_weight * out["mtp_loss"] * shares[2]
+        mtp = mean(out["mtp_loss"].item() * shares[2])
+    return loss, mean(out["lm_loss"].item() * shares[1]), mtp, batch["input_ids"].numel()

@@ -164,6 +164,8 @@ class ExpertParallelBank(nn.Module):
     ``forward(z, weights, idx)`` has ExpertBank's contract on the LOCAL tokens (idx holds global expert ids) and
     runs the MoonEP dispatch / compute / combine over ``group``; it is a collective: call it on every rank."""
 
+    routed_experts = True  # optimised per expert like ExpertBank
+
     def __init__(self, bank: ExpertBank, group=None):
         super().__init__()
         E, R, r = bank.w1.shape[0], dist.get_world_size(group), dist.get_rank(group)
@@ -237,3 +239,72 @@ def parallelize_moe(moe: LatentMoE, group=None) -> None:
     if not isinstance(moe.experts, ExpertBank):
         raise TypeError(f"moe.experts must be an ExpertBank to be sharded; got {type(moe.experts).__name__}")
     moe.experts = ExpertParallelBank(moe.experts, group)
+
+
+class ExpertParallelTraining:
+    """The parallel context ``k3.train.loop.train`` takes for ``k3 train --ep N`` (expert parallelism only):
+    each rank trains on its slice of the global batch (as in data parallelism); every LatentMoE's routed experts
+    are sharded over the ranks and run on the MoonEP plan; all other weights are replicated and their gradients
+    averaged. Checkpoints gather the experts back to full tensors."""
+
+    def __init__(self, rank: int, world: int, device: torch.device):
+        self.rank, self.world, self.device = rank, world, device
+
+    @classmethod
+    def from_env(cls) -> "ExpertParallelTraining":
+        from .data_parallel import init_from_env
+
+        return cls(*init_from_env())
+
+    def shard(self, model) -> None:
+        for p in model.parameters():  # identical replicas before the experts are split
+            dist.broadcast(p.data, src=0)
+        moes = [m for m in model.modules() if isinstance(m, LatentMoE)]
+        if not moes:
+            raise ValueError("--ep needs a model with MoE layers")
+        for m in moes:
+            parallelize_moe(m)
+        self._experts = {id(p) for m in moes for p in m.experts.parameters()}
+
+    def mean(self, x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t) / self.world
+
+    def sync_max_logits(self, model) -> None:
+        from .data_parallel import max_logits_across_ranks
+
+        max_logits_across_ranks(model)
+
+    def loss(self, model, batch: dict, mtp_weight: float, device):
+        from .data_parallel import weighted_slice_loss
+
+        return weighted_slice_loss(model, batch, mtp_weight, device, self.rank, self.world, self.mean)
+
+    def reduce_grads(self, model) -> None:
+        """Replicated weights: average over ranks. Experts: their owner already holds the sum of every rank's
+        contribution (EP's backward), which is the average times the number of ranks."""
+        for p in model.parameters():
+            if p.grad is None:
+                continue
+            if id(p) not in self._experts:
+                dist.all_reduce(p.grad)
+            p.grad.div_(self.world)
+
+    def full_state(self, model) -> dict:
+        """Every rank's expert shards gathered back along the expert dim (collective)."""
+        state = {}
+        for name, t in model.state_dict().items():
+            if name.rsplit(".", 1)[-1] in ("w1", "w2", "w3") and ".experts." in f".{name}":
+                parts = [torch.empty_like(t) for _ in range(self.world)]
+                dist.all_gather(parts, t.contiguous())
+                t = torch.cat(parts)
+            state[name] = t
+        return state
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

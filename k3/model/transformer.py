@@ -107,13 +107,29 @@ class K3ForCausalLM(nn.Module):
             mtp_losses = []
             for i, layer in enumerate(self.mtp):
                 k = i + 1  # layer i predicts token t + 1 + k from h_t and token t + k
-                nxt = torch.roll(input_ids, -k, dims=1)
+                # token t + k, where it lies in t's document; elsewhere (its loss is masked anyway) the token itself,
+                # so nothing depends on what follows a document (batches split at document boundaries agree)
+                nxt = torch.where(_same_document(input_ids.shape[1], k, cu_seqlens, input_ids.device),
+                                  torch.roll(input_ids, -k, dims=1), input_ids)
                 h = layer(h, self.model.embed_tokens(nxt), cu_seqlens)
                 mtp_losses.append(_shifted_ce(self.lm_head(h), labels, 1 + k, cu_seqlens))
             out["mtp_loss"] = torch.stack(mtp_losses).mean()
             loss = loss + mtp_weight * out["mtp_loss"]
         out["loss"] = loss
         return out
+
+
+def _same_document(T: int, shift: int, cu_seqlens, device) -> torch.Tensor:
+    """[T] bool: position t + shift exists and lies in t's document."""
+    pos = torch.arange(T, device=device)
+    ok = pos + shift < T
+    if cu_seqlens is not None:
+        inner = cu_seqlens[1:-1].to(device)
+        doc = torch.zeros(T, dtype=torch.long, device=device)
+        doc.index_add_(0, inner[inner < T], torch.ones_like(inner[inner < T]))
+        doc = doc.cumsum(0)
+        ok = ok & (doc[(pos + shift).clamp(max=T - 1)] == doc)
+    return ok
 
 
 def _shifted_ce(logits, labels, shift: int, cu_seqlens) -> torch.Tensor:

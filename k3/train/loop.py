@@ -61,6 +61,7 @@ class TrainConfig:
     stop_after: int | None = None  # stop (with a checkpoint) after this step; rerun the same command to resume
     dp: int = 1  # data-parallel ranks (FSDP2) when run under torchrun; batch_size is per rank
     cp: int = 1  # context-parallel ranks: every sequence is split along time over them (KCP + gathered MLA)
+    ep: int = 1  # expert-parallel ranks: routed experts sharded, MoonEP-balanced all-to-all dispatch
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -168,11 +169,11 @@ def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
     run = Path(cfg.out)
     par = parallel or SingleProcess(resolve_device(cfg.device))
     rank, world = par.rank, par.world
-    if world != cfg.dp * cfg.cp:
-        raise ValueError(f"--dp {cfg.dp} x --cp {cfg.cp} ranks but {world} process(es) are running: start them "
-                         f"under `torchrun --nproc_per_node N -m k3 train ...` with N = dp x cp")
-    if cfg.dp > 1 and cfg.cp > 1:
-        raise ValueError("--dp and --cp together (a 2-D mesh) are not composed yet: use one of them")
+    if world != cfg.dp * cfg.cp * cfg.ep:
+        raise ValueError(f"--dp {cfg.dp} x --cp {cfg.cp} x --ep {cfg.ep} ranks but {world} process(es) are running: "
+                         f"start them under `torchrun --nproc_per_node N -m k3 train ...` with N = dp x cp x ep")
+    if sum(x > 1 for x in (cfg.dp, cfg.cp, cfg.ep)) > 1:
+        raise ValueError("--dp, --cp and --ep are not composed on one mesh yet: use one of them at a time")
     if rank == 0:
         run.mkdir(parents=True, exist_ok=True)
     par.barrier()
@@ -237,7 +238,7 @@ def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
                                                        "train_sequences": len(train_set), "val_sequences": len(val_set),
                                                        "train_config": cfg.to_json()}, indent=2) + "\n")
 
-    batches = train_set.batches(cfg.batch_size * cfg.dp)  # the global batch; the parallel context splits it
+    batches = train_set.batches(cfg.batch_size * cfg.dp * cfg.ep)  # the global batch; the parallel context splits it
     progress = Progress(cfg.steps) if rank == 0 else None
     last = {}
     t_last, tok_last = time.time(), tokens
@@ -276,7 +277,7 @@ def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
         if clipped:
             rec["qk_clipped_heads"] = clipped
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            rec["val_loss"] = evaluate(model, val_set, cfg.batch_size * cfg.dp, cfg.eval_batches, device, amp)
+            rec["val_loss"] = evaluate(model, val_set, cfg.batch_size * cfg.dp * cfg.ep, cfg.eval_batches, device, amp)
         if (step % cfg.log_every == 0 or "val_loss" in rec or step == cfg.steps) and rank == 0:
             now = time.time()
             rec["tokens_per_s"] = (tokens - tok_last) / max(now - t_last, 1e-9)

@@ -26,6 +26,8 @@ class ExpertBank(nn.Module):
     The checkpoint stores them per expert as ``experts.{e}.w{1,2,3}.weight``; k3.checkpoint converts.
     """
 
+    routed_experts = True  # the optimiser orthogonalises each expert's matrix separately
+
     def __init__(self, config: K3Config):
         super().__init__()
         E, L, I = config.num_experts, config.expert_dim, config.moe_intermediate_size

@@ -18,7 +18,6 @@ from torch import nn
 
 from ...layers.sequence.kda import KimiDeltaAttention, ShortConvolution
 from ...layers.sequence.mla import GatedMLA
-from ...layers.width.latent_moe import ExpertBank
 from .muon import Muon, newton_schulz
 
 __all__ = ["Muon", "newton_schulz", "ParamPlan", "describe_param_groups", "build_optimizer", "CombinedOptimizer"]
@@ -46,7 +45,7 @@ def _head_splits(model: nn.Module) -> dict[str, str]:
         for child, kind in table.items():
             if isinstance(getattr(mod, child, None), nn.Linear):
                 out[f"{pre}{child}.weight"] = f"{kind}:{mod.num_heads}"
-        if isinstance(mod, ExpertBank):
+        if getattr(mod, "routed_experts", False):  # ExpertBank, or its expert-parallel shard
             for pname, _ in mod.named_parameters(recurse=False):
                 out[f"{pre}{pname}"] = "experts"
     return out

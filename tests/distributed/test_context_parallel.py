@@ -6,18 +6,16 @@ single-process forward/backward on the whole packed row, then the CP forward on 
 gradients and compares. Legend: T_global tokens in the packed row, [start, end) this rank's segment.
 """
 
-import datetime
-import sys
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from k3.config import K3Config
 from k3.distributed.context_parallel import ContextParallel, cp_loss_sum, cp_mean_loss, cp_shifted_targets
 from k3.model.transformer import K3ForCausalLM
+
+from .gloo import needs_gloo, spawn
 from tests.conftest import assert_close
 
 T_GLOBAL, VOCAB, TOL = 96, 128, 1e-4
@@ -71,26 +69,13 @@ def _check_targets():
     assert int(n) == 4 and abs(float(s) - 4 * torch.log(torch.tensor(10.0)).item()) < 1e-5
 
 
-def _worker(rank, world, init_file):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        _check_targets()
-        model = _model()
-        for layout, split in CASES:
-            _check_case(rank, world, model, layout, split)
-        with pytest.raises(ValueError, match="contiguous"):
-            ContextParallel(None, 0, 10) if rank == 0 else ContextParallel(None, 20, 30)
-    except BaseException:  # mp.spawn may report a peer's "connection closed" first: print the real failure
-        print(f"rank {rank} of {world}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                                reason="needs torch.distributed with the gloo backend")
+def _check_all(rank, world):
+    _check_targets()
+    model = _model()
+    for layout, split in CASES:
+        _check_case(rank, world, model, layout, split)
+    with pytest.raises(ValueError, match="contiguous"):
+        ContextParallel(None, 0, 10) if rank == 0 else ContextParallel(None, 20, 30)
 
 
 @pytest.mark.distributed
@@ -98,4 +83,4 @@ needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_availa
 def test_context_parallel_model_matches_single_process(tmp_path):
     """2 ranks, three layouts (packed across the cut, a document starting at the cut with an uneven split, an
     unpacked batch): per-rank logits, the global mean loss and every summed parameter gradient."""
-    mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous")), nprocs=2, join=True)
+    spawn(_check_all, 2, tmp_path)

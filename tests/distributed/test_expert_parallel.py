@@ -7,19 +7,17 @@ on its own slice. Legend: R ranks, S tokens per rank, D hidden, E experts, k exp
 """
 
 import dataclasses
-import datetime
-import sys
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from k3 import K3Config
 from k3.distributed.expert_parallel import (ExpertParallelBank, _replica_exchange, dispatch_layout,
                                             parallelize_moe)
 from k3.layers.width.latent_moe import LatentMoE
+
+from .gloo import needs_gloo, spawn
 from tests.conftest import assert_close
 
 S = 6  # tokens per rank when the split is even
@@ -152,23 +150,10 @@ def _check_errors(rank, world):
         parallelize_moe(moe)
 
 
-def _worker(rank, world, init_file):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        splits = [_check_scenario(rank, world, name, bias, lens) for name, bias, lens in SCENARIOS[world]]
-        assert sum(splits) > 0, "no scenario sent one source's slots of an expert to two ranks"
-        _check_errors(rank, world)
-    except BaseException:  # mp.spawn may report a peer's "connection closed" first: print the real failure
-        print(f"rank {rank} of {world}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                                reason="needs torch.distributed with the gloo backend")
+def _check_all(rank, world):
+    splits = [_check_scenario(rank, world, name, bias, lens) for name, bias, lens in SCENARIOS[world]]
+    assert sum(splits) > 0, "no scenario sent one source's slots of an expert to two ranks"
+    _check_errors(rank, world)
 
 
 @pytest.mark.distributed
@@ -177,4 +162,4 @@ needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_availa
 def test_expert_parallel_moe_matches_single_process(world, tmp_path):
     """One spawn per world size: skewed loads forcing split experts and replicas, random routing and uneven token
     counts; outputs, input grads, replicated-parameter grads (all-reduced) and each owner's expert grads."""
-    mp.spawn(_worker, args=(world, str(tmp_path / "rendezvous")), nprocs=world, join=True)
+    spawn(_check_all, world, tmp_path)

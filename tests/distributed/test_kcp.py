@@ -5,19 +5,17 @@ the single-process reference on the whole sequence, and checks its own slice of 
 Legend: B batch, T time, H heads, K key dim, V value dim, D channels, W conv width.
 """
 
-import datetime
-import sys
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from k3.distributed.kcp import kcp_chunk_kda, kcp_short_conv, local_cu_seqlens
 from k3.ops.kda.cp import intra_device_cp_kda, scan_states, segment_summary, segment_transition
 from k3.ops.kda.reference import chunk_kda, recurrent_kda
 from k3.ops.short_conv import short_conv
+
+from .gloo import needs_gloo, spawn
 from tests.conftest import assert_close
 from tests.ops.test_kda import make_inputs
 
@@ -191,27 +189,10 @@ def _check_all(rank, world):
     _check_kcp_short_conv(rank, world)
 
 
-def _worker(rank, world, init_file):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        _check_all(rank, world)
-    except BaseException:  # mp.spawn may report a peer's "connection closed" first: print the real failure
-        print(f"rank {rank} of {world}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                                reason="needs torch.distributed with the gloo backend")
-
-
 @pytest.mark.distributed
 @needs_gloo
 @pytest.mark.parametrize("world", [2, 4], ids=lambda w: f"R{w}")
 def test_kcp_kda_and_short_conv_match_single_process(world, tmp_path):
     """One spawn per world size (process start-up dominates): KCP chunk_kda on plain batches and on packed
     documents (every layout of LAYOUTS), then kcp_short_conv on both; outputs, final state, all input gradients."""
-    mp.spawn(_worker, args=(world, str(tmp_path / "rendezvous")), nprocs=world, join=True)
+    spawn(_check_all, world, tmp_path)

@@ -20,7 +20,7 @@ from functools import lru_cache
 
 from k3.data.tokenizer import train_tokenizer
 from k3.inference.api import FinishEvent, GenerationRequest, TokenEvent
-from k3.inference.detok import IncrementalDetokenizer, StopMatcher, token_text
+from k3.inference.detok import IncrementalDetokenizer, StopMatcher
 
 SCRIPT = "Hello, wörld! 漢字 and 🙂.<|im_end|> after ☃ the end"
 CORPUS = ["Hello, wörld! Hello world, café é è 漢字 漢字 and 🙂 emoji 🙂", "the end and the start",

@@ -50,7 +50,6 @@ def bench_kda(backend, B, T, H, D):
     except torch.OutOfMemoryError:
         return float("nan"), float("nan")
     finally:
-        del xs
         torch.cuda.empty_cache()
 
 

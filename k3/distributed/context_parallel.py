@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from ..ops import kda as kda_ops
 from ..ops.norms import l2_norm
+from ..ops.varlen import document_ids
 from .kcp import kcp_chunk_kda, kcp_short_conv, local_cu_seqlens
 
 __all__ = ["ContextParallel", "gather_sequence", "cp_shifted_targets", "cp_loss_sum", "cp_mean_loss"]
@@ -63,15 +64,6 @@ class _GatherSequence(torch.autograd.Function):
 def gather_sequence(x: torch.Tensor, group, ranges: list[tuple[int, int]]) -> torch.Tensor:
     """Differentiable all-gather along time: x [B,T,C] (this rank's [start, end)) -> [B,T_global,C]."""
     return _GatherSequence.apply(x, group, ranges)
-
-
-def _document_ids(cu_seqlens: torch.Tensor | None, total: int, device) -> torch.Tensor:
-    """[T_global] index of the document of every position (all zeros without cu_seqlens)."""
-    doc = torch.zeros(total, dtype=torch.long, device=device)
-    if cu_seqlens is not None:
-        inner = cu_seqlens[1:-1].to(device)
-        doc.index_add_(0, inner, torch.ones_like(inner))
-    return doc.cumsum(0)
 
 
 def _rank_ranges(group, start: int, end: int) -> list[tuple[int, int]]:
@@ -115,7 +107,7 @@ class ContextParallel:
         else:
             self.cu_local, self.continues = None, True
         self.cu_seqlens = cu_seqlens
-        doc = _document_ids(cu_seqlens, self.total, torch.device("cpu"))
+        doc = document_ids(cu_seqlens, self.total, torch.device("cpu"))
         q_pos, k_pos = torch.arange(self.start, self.end), torch.arange(self.end)
         self.mask = ((doc[q_pos, None] == doc[None, k_pos]) & (k_pos[None, :] <= q_pos[:, None]))[None]  # [1,T,S]
         doc_start = cu_seqlens.cpu()[doc] if cu_seqlens is not None else torch.zeros(self.total, dtype=torch.long)

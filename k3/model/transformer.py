@@ -12,6 +12,7 @@ from torch import nn
 from ..config import K3Config
 from ..layers.depth.attn_res import DepthStream, PseudoQuery
 from ..layers.norm import RMSNorm
+from ..ops.varlen import document_ids
 from .block import DecoderLayer, _Query
 from .init import init_weights
 from .mtp import MTPLayer
@@ -124,10 +125,7 @@ def _same_document(T: int, shift: int, cu_seqlens, device) -> torch.Tensor:
     pos = torch.arange(T, device=device)
     ok = pos + shift < T
     if cu_seqlens is not None:
-        inner = cu_seqlens[1:-1].to(device)
-        doc = torch.zeros(T, dtype=torch.long, device=device)
-        doc.index_add_(0, inner[inner < T], torch.ones_like(inner[inner < T]))
-        doc = doc.cumsum(0)
+        doc = document_ids(cu_seqlens, T, device)
         ok = ok & (doc[(pos + shift).clamp(max=T - 1)] == doc)
     return ok
 
@@ -138,10 +136,7 @@ def _shifted_ce(logits, labels, shift: int, cu_seqlens) -> torch.Tensor:
     tgt = torch.full_like(labels, -100)
     tgt[:, : T - shift] = labels[:, shift:]
     if cu_seqlens is not None:
-        doc = torch.zeros(T, dtype=torch.long, device=labels.device)
-        inner = cu_seqlens[1:-1].to(labels.device)
-        doc.index_add_(0, inner[inner < T], torch.ones_like(inner[inner < T]))
-        doc = doc.cumsum(0)
+        doc = document_ids(cu_seqlens, T, labels.device)
         cross = torch.ones(T, dtype=torch.bool, device=labels.device)
         cross[: T - shift] = doc[shift:] != doc[: T - shift]
         tgt[:, cross] = -100

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["pack_sequences", "unpack_sequences"]
+__all__ = ["pack_sequences", "unpack_sequences", "document_ids"]
 
 
 def pack_sequences(x: torch.Tensor, cu_seqlens: torch.Tensor, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,3 +26,14 @@ def pack_sequences(x: torch.Tensor, cu_seqlens: torch.Tensor, multiple: int = 1)
 def unpack_sequences(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Inverse of pack_sequences: [N, Tpad, ...] -> [1, T, ...]."""
     return x[valid].unsqueeze(0)
+
+
+
+def document_ids(cu_seqlens: torch.Tensor | None, T: int, device) -> torch.Tensor:
+    """[T] the document index of every packed position (all zeros without cu_seqlens)."""
+    doc = torch.zeros(T, dtype=torch.long, device=device)
+    if cu_seqlens is not None:
+        inner = cu_seqlens[1:-1].to(device)
+        inner = inner[inner < T]
+        doc.index_add_(0, inner, torch.ones_like(inner))
+    return doc.cumsum(0)

@@ -3,7 +3,8 @@ import torch
 
 from k3 import K3Config
 from k3.layers.sequence.kda import KimiDeltaAttention
-from k3.layers.sequence.mla import GatedMLA, document_causal_mask
+from k3.layers.sequence.mla import GatedMLA
+from k3.ops.varlen import document_ids
 
 
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
@@ -63,5 +64,4 @@ def test_mla_packed_documents_are_independent():
     packed = layer(torch.cat([a, b], 1), cu_seqlens=torch.tensor([0, 6, 14]))
     torch.testing.assert_close(packed[:, :6], layer(a), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(packed[:, 6:], layer(b), atol=1e-5, rtol=1e-4)
-    m = document_causal_mask(torch.tensor([0, 2, 5]), 5, "cpu")
-    assert m.tolist()[3] == [False, False, True, True, False]
+    assert document_ids(torch.tensor([0, 2, 5, 5, 7]), 7, "cpu").tolist() == [0, 0, 1, 1, 1, 3, 3]

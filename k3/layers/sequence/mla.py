@@ -34,16 +34,6 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).to(x.dtype)
 
 
-def document_causal_mask(cu_seqlens: torch.Tensor, T: int, device) -> torch.Tensor:
-    """[T,T] boolean: query i may see key j iff j <= i and both lie in the same document."""
-    inner = cu_seqlens[1:-1].to(device)
-    doc = torch.zeros(T, dtype=torch.long, device=device)
-    doc.index_add_(0, inner[inner < T], torch.ones_like(inner[inner < T]))
-    doc = doc.cumsum(0)
-    pos = torch.arange(T, device=device)
-    return (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
-
-
 @torch.no_grad()
 def max_causal_logit(q: torch.Tensor, k: torch.Tensor, scale: float, valid: torch.Tensor | None = None,
                      chunk: int = 1024) -> torch.Tensor:

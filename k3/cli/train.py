@@ -65,7 +65,11 @@ def run(args) -> int:
     from ..distributed.data_parallel import DataParallel
 
     cfg = config_from_args(args, TrainConfig(out=args.out))
-    if cfg.cp > 1:
+    if cfg.cp > 1 and cfg.dp > 1:
+        from ..distributed.mesh import DataContextParallelTraining
+
+        par = DataContextParallelTraining(cfg.dp, cfg.cp)
+    elif cfg.cp > 1:
         par = ContextParallelTraining.from_env()
     elif cfg.ep > 1:
         from ..distributed.expert_parallel import ExpertParallelTraining

@@ -82,3 +82,16 @@ def test_ep2_reproduces_the_single_process_loss_curve_and_saves_full_experts(tmp
     ref = load_pretrained(tmp_path / "one" / "checkpoint").state_dict()
     worst = max((v - ref[k]).abs().max().item() for k, v in full.state_dict().items())
     assert worst < 1e-4  # every weight, MTP and router biases included, after 4 steps (measured ~1e-5)
+
+
+@pytest.mark.distributed
+def test_dp2_x_cp2_on_a_2d_mesh_reproduces_one_process(tmp_path):
+    """4 processes: FSDP2 over "dp", each dp slice's sequences split along time over "cp"."""
+    common = ["--mtp-weight", "0"]
+    single = _run([sys.executable, "-m", "k3", "train", "--batch-size", "4"] + common, tmp_path / "one")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "-m", "k3", "train"]
+    mesh = _run(torchrun + ["--batch-size", "2", "--dp", "2", "--cp", "2"] + common, tmp_path / "mesh")
+    for a, b in zip(single, mesh):
+        assert abs(a["loss"] - b["loss"]) < 1e-5 * a["loss"], (a, b)
+        assert a["load_max_over_mean"] == b["load_max_over_mean"]
+    assert [r["step"] for r in mesh] == [1, 2, 3, 4]

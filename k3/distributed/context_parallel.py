@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from ..ops import kda as kda_ops
 from ..ops.norms import l2_norm
 from ..ops.varlen import document_ids
+from .data_parallel import ParallelContext
 from .kcp import kcp_chunk_kda, kcp_short_conv, local_cu_seqlens
 
 __all__ = ["ContextParallel", "gather_sequence", "cp_shifted_targets", "cp_loss_sum", "cp_mean_loss"]
@@ -191,20 +192,11 @@ def cp_mean_loss(logits: torch.Tensor, targets: torch.Tensor, group=None) -> tor
     return total / count
 
 
-class ContextParallelTraining:
+class ContextParallelTraining(ParallelContext):
     """The parallel context ``k3.train.loop.train`` takes for ``k3 train --cp N``: every rank sees the same
     global batch and trains on its contiguous segment of the packed row; parameters are replicated and their
     gradients summed over the ranks (the loss is a sum over this rank's targets / the global target count).
     MTP and QK-clip tracking are not supported under CP yet (``mtp_weight`` must be 0)."""
-
-    def __init__(self, rank: int, world: int, device: torch.device):
-        self.rank, self.world, self.device = rank, world, device
-
-    @classmethod
-    def from_env(cls) -> "ContextParallelTraining":
-        from .data_parallel import init_from_env
-
-        return cls(*init_from_env())
 
     def shard(self, model) -> None:
         for p in model.parameters():  # every rank must start from the same weights (rank 0's)
@@ -214,17 +206,7 @@ class ContextParallelTraining:
         return x  # the loss below is already the global one
 
     def sync_max_logits(self, model) -> None:
-        pass
-
-    def full_state(self, model) -> dict:
-        return model.state_dict()
-
-    def barrier(self) -> None:
-        dist.barrier()
-
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        pass  # the CP attention path records no max logits yet
 
     def loss(self, model, batch: dict, mtp_weight: float, device):
         if mtp_weight and len(getattr(model, "mtp", ())):

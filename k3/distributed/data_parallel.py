@@ -81,25 +81,22 @@ def load_full_model_state(model: torch.nn.Module, state: dict) -> None:
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
 
-class DataParallel:
-    """What ``k3.train.loop.train`` needs from a data-parallel run, bundled (the loop never imports this
-    package: ``k3 train`` builds one with ``from_env`` and passes it in)."""
+class ParallelContext:
+    """What ``k3.train.loop.train`` needs from a multi-process run (the loop never imports this package: the
+    CLI builds one and passes it in). Subclasses say how the model is split (``shard``), how a rank's loss is
+    formed (``loss``) and how gradients are combined (``reduce_grads``)."""
 
     def __init__(self, rank: int, world: int, device: torch.device):
         self.rank, self.world, self.device = rank, world, device
 
     @classmethod
-    def from_env(cls) -> "DataParallel":
+    def from_env(cls):
         return cls(*init_from_env())
 
     @staticmethod
     def launched() -> bool:
         """True under torchrun (or any launcher that sets WORLD_SIZE > 1)."""
         return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-    def shard(self, model: torch.nn.Module) -> None:
-        if self.world > 1:
-            apply_fsdp(model, self.world, self.device)
 
     def mean(self, x: float) -> float:
         return mean_across_ranks(x)
@@ -110,6 +107,9 @@ class DataParallel:
     def full_state(self, model: torch.nn.Module) -> dict:
         return full_model_state(model)
 
+    def reduce_grads(self, model: torch.nn.Module) -> None:
+        pass
+
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier()
@@ -118,14 +118,19 @@ class DataParallel:
         if dist.is_initialized():
             dist.destroy_process_group()
 
+
+class DataParallel(ParallelContext):
+    """``k3 train --dp N``: FSDP2 over all ranks, each training on its slice of the global batch."""
+
+    def shard(self, model: torch.nn.Module) -> None:
+        if self.world > 1:
+            apply_fsdp(model, self.world, self.device)
+
     def loss(self, model, batch: dict, mtp_weight: float, device):
         """This rank's slice of the global batch. FSDP averages gradients over ranks; weighting each rank's mean
         by its share of the global batch's predicted tokens makes that average the global token mean, exactly
         as in one process. Returns (loss to backpropagate, lm loss, mtp loss or None, global tokens)."""
         return weighted_slice_loss(model, batch, mtp_weight, device, self.rank, self.world, self.mean)
-
-    def reduce_grads(self, model) -> None:
-        pass  # FSDP2 reduce-scatters gradients in backward
 
 
 def rank_slice(batch: dict, rank: int, world: int):

@@ -39,6 +39,7 @@ from torch import nn
 from ..layers.width.latent_moe import ExpertBank, LatentMoE
 from ..ops.grouped_mm import grouped_mm
 from ..ops.situ import glu
+from .data_parallel import ParallelContext
 from .moonep import PlanArrays, plan_arrays
 
 __all__ = ["parallelize_moe", "ExpertParallelBank", "dispatch_layout", "DispatchLayout", "EPStep", "all_to_all"]
@@ -241,20 +242,11 @@ def parallelize_moe(moe: LatentMoE, group=None) -> None:
     moe.experts = ExpertParallelBank(moe.experts, group)
 
 
-class ExpertParallelTraining:
+class ExpertParallelTraining(ParallelContext):
     """The parallel context ``k3.train.loop.train`` takes for ``k3 train --ep N`` (expert parallelism only):
     each rank trains on its slice of the global batch (as in data parallelism); every LatentMoE's routed experts
     are sharded over the ranks and run on the MoonEP plan; all other weights are replicated and their gradients
     averaged. Checkpoints gather the experts back to full tensors."""
-
-    def __init__(self, rank: int, world: int, device: torch.device):
-        self.rank, self.world, self.device = rank, world, device
-
-    @classmethod
-    def from_env(cls) -> "ExpertParallelTraining":
-        from .data_parallel import init_from_env
-
-        return cls(*init_from_env())
 
     def shard(self, model) -> None:
         for p in model.parameters():  # identical replicas before the experts are split
@@ -265,16 +257,6 @@ class ExpertParallelTraining:
         for m in moes:
             parallelize_moe(m)
         self._experts = {id(p) for m in moes for p in m.experts.parameters()}
-
-    def mean(self, x: float) -> float:
-        t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t)
-        return float(t) / self.world
-
-    def sync_max_logits(self, model) -> None:
-        from .data_parallel import max_logits_across_ranks
-
-        max_logits_across_ranks(model)
 
     def loss(self, model, batch: dict, mtp_weight: float, device):
         from .data_parallel import weighted_slice_loss
@@ -301,10 +283,3 @@ class ExpertParallelTraining:
                 t = torch.cat(parts)
             state[name] = t
         return state
-
-    def barrier(self) -> None:
-        dist.barrier()
-
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()

@@ -10,16 +10,16 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from .context_parallel import ContextParallel, cp_mean_loss, cp_shifted_targets
-from .data_parallel import full_model_state, init_from_env, rank_slice
+from .data_parallel import ParallelContext, init_from_env, rank_slice
 
 
-class DataContextParallelTraining:
+class DataContextParallelTraining(ParallelContext):
     """The parallel context ``k3.train.loop.train`` takes for ``k3 train --dp D --cp C`` (D x C processes)."""
 
     def __init__(self, dp: int, cp: int):
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.rank, self.world, self.device = init_from_env()
+        super().__init__(*init_from_env())
         if self.world != dp * cp:
             raise ValueError(f"--dp {dp} x --cp {cp} needs {dp * cp} processes, {self.world} are running")
         self.dp, self.cp = dp, cp
@@ -58,20 +58,10 @@ class DataContextParallelTraining:
                 dist.all_reduce(g, group=self.cp_group)
 
     def mean(self, x: float) -> float:
-        return x
+        return x  # loss() already returns the global value
 
     def sync_max_logits(self, model) -> None:
         pass  # the CP attention path records no max logits yet
-
-    def full_state(self, model) -> dict:
-        return full_model_state(model)
-
-    def barrier(self) -> None:
-        dist.barrier()
-
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 __all__ = ["DataContextParallelTraining"]

@@ -153,7 +153,26 @@ class ContextParallel:
         lat = gather_sequence(torch.cat([c_kv, k_pe], dim=-1), self.group, self.ranges)[:, : self.end]  # [B,S,R+Dr]
         c_all, pe_all = lat.split([c_kv.shape[-1], k_pe.shape[-1]], dim=-1)
         mask = self.mask.to(x.device).expand(B, T, self.end)
+        if getattr(mla, "track_max_logit", False) and mla.training:
+            _record_max_logit(mla, x, c_all, pe_all, mask, positions)
         return mla.attend_absorbed(x, c_all, pe_all, mask, positions)
+
+
+@torch.no_grad()
+def _record_max_logit(mla, x, c_all, pe_all, mask, positions) -> None:
+    """QK-clip's statistic under CP: this rank's queries' max pre-softmax logit per head over the keys they see
+    (the training loop takes the MAX over ranks). Same scores as ``attend_absorbed``: [B,H,T,S]."""
+    from ..layers.sequence.mla import rotary
+
+    q_nope, q_pe = mla._query(x)
+    if mla.use_rope:
+        q_pe = rotary(q_pe, positions, mla.rope_theta)
+    w_uk, _ = mla.absorbed_weights()
+    q_lat = torch.einsum("bthn,hnr->bthr", q_nope.float(), w_uk.float())
+    s = (torch.einsum("bthr,bsr->bhts", q_lat, c_all.float())
+         + torch.einsum("bthp,bsp->bhts", q_pe.float(), pe_all.float())) * mla.scale
+    m = s.masked_fill(~mask[:, None], float("-inf")).amax(dim=(0, 2, 3))
+    mla.max_logit = m if mla.max_logit is None else torch.maximum(mla.max_logit, m)
 
 
 def cp_shifted_targets(labels_global: torch.Tensor, cu_seqlens: torch.Tensor | None, start: int,
@@ -196,7 +215,7 @@ class ContextParallelTraining(ParallelContext):
     """The parallel context ``k3.train.loop.train`` takes for ``k3 train --cp N``: every rank sees the same
     global batch and trains on its contiguous segment of the packed row; parameters are replicated and their
     gradients summed over the ranks (the loss is a sum over this rank's targets / the global target count).
-    MTP and QK-clip tracking are not supported under CP yet (``mtp_weight`` must be 0)."""
+    MTP is not supported under CP yet (``mtp_weight`` must be 0)."""
 
     def shard(self, model) -> None:
         for p in model.parameters():  # every rank must start from the same weights (rank 0's)
@@ -204,9 +223,6 @@ class ContextParallelTraining(ParallelContext):
 
     def mean(self, x: float) -> float:
         return x  # the loss below is already the global one
-
-    def sync_max_logits(self, model) -> None:
-        pass  # the CP attention path records no max logits yet
 
     def loss(self, model, batch: dict, mtp_weight: float, device):
         if mtp_weight and len(getattr(model, "mtp", ())):

@@ -60,8 +60,5 @@ class DataContextParallelTraining(ParallelContext):
     def mean(self, x: float) -> float:
         return x  # loss() already returns the global value
 
-    def sync_max_logits(self, model) -> None:
-        pass  # the CP attention path records no max logits yet
-
 
 __all__ = ["DataContextParallelTraining"]

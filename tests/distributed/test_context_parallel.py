@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from k3.config import K3Config
+from k3.layers.sequence.mla import GatedMLA
 from k3.distributed.context_parallel import ContextParallel, cp_loss_sum, cp_mean_loss, cp_shifted_targets
 from k3.model.transformer import K3ForCausalLM
 
@@ -37,14 +38,25 @@ def _check_case(rank, world, model, layout, split):
     cu = torch.tensor(layout) if layout is not None else None
     start, end = (0, split) if rank == 0 else (split, T_GLOBAL)
 
+    mlas = [m for m in model.modules() if isinstance(m, GatedMLA)]
+    for m in mlas:
+        m.track_max_logit, m.max_logit = True, None
     model.zero_grad(set_to_none=True)
     ref = model(ids, cu_seqlens=cu, labels=ids)
     ref["loss"].backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    ref_max = [m.max_logit.clone() for m in mlas]
 
     model.zero_grad(set_to_none=True)
+    for m in mlas:
+        m.max_logit = None
     cp = ContextParallel(None, start, end, cu)
     logits = model(ids[:, start:end], cache=cp)["logits"]
+    for m, r in zip(mlas, ref_max):  # QK-clip's statistic: the MAX over ranks equals one process's
+        got = m.max_logit.clone()
+        dist.all_reduce(got, op=dist.ReduceOp.MAX)
+        torch.testing.assert_close(got, r, atol=1e-5, rtol=1e-5)
+        m.track_max_logit, m.max_logit = False, None
     targets = cp_shifted_targets(ids, cu, start, end)
     loss = cp_mean_loss(logits, targets)
     loss.backward()

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..ops import kda as kda_ops
 from ..ops.norms import l2_norm
-from ..ops.varlen import document_ids
+from ..ops.varlen import document_ids, same_document
 from .data_parallel import ParallelContext
 from .kcp import kcp_chunk_kda, kcp_short_conv, local_cu_seqlens
 
@@ -176,21 +176,51 @@ def _record_max_logit(mla, x, c_all, pe_all, mask, positions) -> None:
 
 
 def cp_shifted_targets(labels_global: torch.Tensor, cu_seqlens: torch.Tensor | None, start: int,
-                       end: int) -> torch.Tensor:
-    """Next-token targets of this rank's tokens: labels_global [B,T_global] (usually the input ids) ->
-    [B,T] with target[t] = label[t+1], -100 (ignore) at the global end and wherever t+1 starts a new document.
-    The target of the last local token is the next rank's first label, as in the single-process loss."""
+                       end: int, shift: int = 1) -> torch.Tensor:
+    """Targets ``shift`` tokens ahead for this rank's tokens: labels_global [B,T_global] (usually the input ids)
+    -> [B,T] with target[t] = label[t+shift], -100 (ignore) past the global end and wherever t+shift lies in
+    another document. The last local tokens' targets come from the next rank's labels, as in one process."""
     B, T_global = labels_global.shape
     if not 0 <= start < end <= T_global:
         raise ValueError(f"rank range [{start}, {end}) must be a non-empty part of [0, {T_global})")
+    if cu_seqlens is not None and B != 1:
+        raise ValueError(f"packed documents (cu_seqlens) need labels of batch 1; got batch {B}")
     tgt = torch.full_like(labels_global, -100)
-    tgt[:, :-1] = labels_global[:, 1:]
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"packed documents (cu_seqlens) need labels of batch 1; got batch {B}")
-        starts = cu_seqlens[1:-1].to(labels_global.device)
-        tgt[:, starts - 1] = -100  # the token before a document start predicts nothing
+    tgt[:, : T_global - shift] = labels_global[:, shift:]
+    tgt[:, ~same_document(T_global, shift, cu_seqlens, labels_global.device)] = -100
     return tgt[:, start:end]
+
+
+def cp_model_loss(model, ids_global: torch.Tensor, cu_seqlens, start: int, end: int, mtp_weight: float, group=None):
+    """This rank's share of the single-process training loss of ``model`` on ``ids_global`` [B,T_global] split
+    along time, MTP layers included. -> (loss share to backpropagate, global lm loss, global mtp loss or None)."""
+    view = ContextParallel(group, start, end, cu_seqlens)
+    ids = ids_global[:, start:end]
+    targets = cp_shifted_targets(ids_global, cu_seqlens, start, end)
+    if not (len(model.mtp) and mtp_weight):  # through the root forward (what FSDP2's hooks expect)
+        lm = cp_mean_loss(model(ids, cache=view)["logits"], targets, group)
+        return lm, _global(lm, group), None
+    # MTP: the trunk's hidden state feeds the MTP layers (plain, unsharded modules only: --cp without --dp)
+    h = model.model(ids, cache=view)
+    lm = cp_mean_loss(model.lm_head(model.model.norm(h)), targets, group)
+    T = ids_global.shape[1]
+    losses = []
+    for i, layer in enumerate(model.mtp):
+        k = i + 1  # the same inputs and targets as K3ForCausalLM.forward, taken from the global row
+        keep = same_document(T, k, cu_seqlens, ids_global.device)
+        nxt = torch.where(keep, torch.roll(ids_global, -k, dims=1), ids_global)[:, start:end]
+        h = layer(h, model.model.embed_tokens(nxt), cache=view)
+        losses.append(cp_mean_loss(model.lm_head(h), cp_shifted_targets(ids_global, cu_seqlens, start, end, 1 + k),
+                                   group))
+    mtp = torch.stack(losses).mean()
+    loss = lm + mtp_weight * mtp
+    return loss, _global(lm, group), _global(mtp, group)
+
+
+def _global(share: torch.Tensor, group) -> float:
+    t = share.detach().clone()
+    dist.all_reduce(t, group=group)
+    return t.item()
 
 
 def cp_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,7 +245,7 @@ class ContextParallelTraining(ParallelContext):
     """The parallel context ``k3.train.loop.train`` takes for ``k3 train --cp N``: every rank sees the same
     global batch and trains on its contiguous segment of the packed row; parameters are replicated and their
     gradients summed over the ranks (the loss is a sum over this rank's targets / the global target count).
-    MTP is not supported under CP yet (``mtp_weight`` must be 0)."""
+    MTP layers run under CP too (their attention through the same view)."""
 
     def shard(self, model) -> None:
         for p in model.parameters():  # every rank must start from the same weights (rank 0's)
@@ -225,18 +255,12 @@ class ContextParallelTraining(ParallelContext):
         return x  # the loss below is already the global one
 
     def loss(self, model, batch: dict, mtp_weight: float, device):
-        if mtp_weight and len(getattr(model, "mtp", ())):
-            raise ValueError("MTP under context parallelism is not implemented: pass --mtp-weight 0")
         ids, cu = batch["input_ids"].to(device), batch["cu_seqlens"].to(device)
         T = ids.shape[1]
         n = -(-T // self.world)
         start, end = min(self.rank * n, T), min((self.rank + 1) * n, T)
-        cp = ContextParallel(None, start, end, cu)
-        logits = model(ids[:, start:end], cache=cp)["logits"]
-        loss = cp_mean_loss(logits, cp_shifted_targets(ids, cu, start, end))
-        total = loss.detach().clone()
-        dist.all_reduce(total)  # the global mean: each rank holds its share of it
-        return loss, total.item(), None, T
+        loss, lm, mtp = cp_model_loss(model, ids, cu, start, end, mtp_weight)
+        return loss, lm, mtp, T
 
     def reduce_grads(self, model) -> None:
         for p in model.parameters():

@@ -7,9 +7,10 @@ ranks of a group sum their shares (each holds the same shard index). Rank = dp_i
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
-from .context_parallel import ContextParallel, cp_mean_loss, cp_shifted_targets
+from .context_parallel import cp_model_loss
 from .data_parallel import ParallelContext, init_from_env, rank_slice
 
 
@@ -37,19 +38,21 @@ class DataContextParallelTraining(ParallelContext):
         fully_shard(model, mesh=self.mesh["dp"])
 
     def loss(self, model, batch: dict, mtp_weight: float, device):
-        if mtp_weight and len(getattr(model, "mtp", ())):
-            raise ValueError("MTP under context parallelism is not implemented: pass --mtp-weight 0")
         ids, cu, shares = rank_slice(batch, self.dp_rank, self.dp)
         ids, cu = ids.to(device), cu.to(device)
         T = ids.shape[1]
         n = -(-T // self.cp)
         start, end = min(self.cp_rank * n, T), min((self.cp_rank + 1) * n, T)
-        view = ContextParallel(self.cp_group, start, end, cu)
-        logits = model(ids[:, start:end], cache=view)["logits"]
-        loss = cp_mean_loss(logits, cp_shifted_targets(ids, cu, start, end), self.cp_group) * shares[1]
-        value = loss.detach().clone()
-        dist.all_reduce(value)  # sum over cp (this slice's mean x share) and over dp ...
-        return loss, value.item() / self.dp, None, batch["input_ids"].numel()  # ... FSDP averages over dp
+        if mtp_weight and len(model.mtp):
+            raise ValueError("--dp x --cp with MTP is not implemented: pass --mtp-weight 0 (or use --cp alone)")
+        # this dp slice's loss, split over the cp group; weighted by the slice's share (FSDP averages over dp)
+        view_loss, lm, _ = cp_model_loss(model, ids, cu, start, end, 0.0, self.cp_group)
+        return view_loss * shares[1], self.dp_mean(lm * shares[1]), None, batch["input_ids"].numel()
+
+    def dp_mean(self, x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, group=self.dp_group)
+        return float(t) / self.dp
 
     def reduce_grads(self, model) -> None:
         for p in model.parameters():

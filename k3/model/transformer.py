@@ -12,7 +12,7 @@ from torch import nn
 from ..config import K3Config
 from ..layers.depth.attn_res import DepthStream, PseudoQuery
 from ..layers.norm import RMSNorm
-from ..ops.varlen import document_ids
+from ..ops.varlen import document_ids, same_document
 from .block import DecoderLayer, _Query
 from .init import init_weights
 from .mtp import MTPLayer
@@ -110,7 +110,7 @@ class K3ForCausalLM(nn.Module):
                 k = i + 1  # layer i predicts token t + 1 + k from h_t and token t + k
                 # token t + k, where it lies in t's document; elsewhere (its loss is masked anyway) the token itself,
                 # so nothing depends on what follows a document (batches split at document boundaries agree)
-                nxt = torch.where(_same_document(input_ids.shape[1], k, cu_seqlens, input_ids.device),
+                nxt = torch.where(same_document(input_ids.shape[1], k, cu_seqlens, input_ids.device),
                                   torch.roll(input_ids, -k, dims=1), input_ids)
                 h = layer(h, self.model.embed_tokens(nxt), cu_seqlens)
                 mtp_losses.append(_shifted_ce(self.lm_head(h), labels, 1 + k, cu_seqlens))
@@ -118,16 +118,6 @@ class K3ForCausalLM(nn.Module):
             loss = loss + mtp_weight * out["mtp_loss"]
         out["loss"] = loss
         return out
-
-
-def _same_document(T: int, shift: int, cu_seqlens, device) -> torch.Tensor:
-    """[T] bool: position t + shift exists and lies in t's document."""
-    pos = torch.arange(T, device=device)
-    ok = pos + shift < T
-    if cu_seqlens is not None:
-        doc = document_ids(cu_seqlens, T, device)
-        ok = ok & (doc[(pos + shift).clamp(max=T - 1)] == doc)
-    return ok
 
 
 def _shifted_ce(logits, labels, shift: int, cu_seqlens) -> torch.Tensor:

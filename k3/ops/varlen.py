@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["pack_sequences", "unpack_sequences", "document_ids"]
+__all__ = ["pack_sequences", "unpack_sequences", "document_ids", "same_document"]
 
 
 def pack_sequences(x: torch.Tensor, cu_seqlens: torch.Tensor, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,3 +37,13 @@ def document_ids(cu_seqlens: torch.Tensor | None, T: int, device) -> torch.Tenso
         inner = inner[inner < T]
         doc.index_add_(0, inner, torch.ones_like(inner))
     return doc.cumsum(0)
+
+
+def same_document(T: int, shift: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
+    """[T] bool: position t + shift exists and lies in t's document."""
+    pos = torch.arange(T, device=device)
+    ok = pos + shift < T
+    if cu_seqlens is not None:
+        doc = document_ids(cu_seqlens, T, device)
+        ok = ok & (doc[(pos + shift).clamp(max=T - 1)] == doc)
+    return ok

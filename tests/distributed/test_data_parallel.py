@@ -55,8 +55,9 @@ def test_dp_resume_equals_uninterrupted(tmp_path):
 
 @pytest.mark.distributed
 def test_cp2_reproduces_the_single_process_loss_curve(tmp_path):
-    """`--cp 2`: every sequence split along time over two ranks (KCP in the KDA layers, gathered MLA latents)."""
-    common = ["--batch-size", "2", "--mtp-weight", "0"]
+    """`--cp 2`: every sequence split along time over two ranks (KCP in the KDA layers, gathered MLA latents),
+    the MTP layer and QK-clip included."""
+    common = ["--batch-size", "2"]
     single = _run([sys.executable, "-m", "k3", "train"] + common, tmp_path / "one")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "k3", "train"]
     cp = _run(torchrun + common + ["--cp", "2"], tmp_path / "cp")

@@ -75,12 +75,6 @@ def full_model_state(model: torch.nn.Module) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def load_full_model_state(model: torch.nn.Module, state: dict) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
-
-
 class ParallelContext:
     """What ``k3.train.loop.train`` needs from a multi-process run (the loop never imports this package: the
     CLI builds one and passes it in). Subclasses say how the model is split (``shard``), how a rank's loss is

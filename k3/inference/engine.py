@@ -20,7 +20,7 @@ from ..layers.sequence.kda import KDAState
 from .api import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from .cache import BlockPool, CacheLayout, OutOfPages, PrefixCache
 from .detok import IncrementalDetokenizer, StopMatcher
-from .sampler import sample
+from .sampler import make_generator, sample
 from .step_cache import StepCache
 
 
@@ -38,7 +38,7 @@ class EngineConfig:
 
 
 class _Seq:
-    def __init__(self, rid, req: GenerationRequest, tok, handle):
+    def __init__(self, rid, req: GenerationRequest, tok, handle, device):
         self.id, self.req, self.handle = rid, req, handle
         self.tokens = list(req.prompt_ids)
         self.prompt_len = len(self.tokens)
@@ -47,7 +47,7 @@ class _Seq:
         self.kda_pages: list[int] = []
         self.cached_tokens = 0
         p = req.params
-        self.gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+        self.gen = make_generator(p, device)  # on the logits' device: a CPU generator cannot draw CUDA noise
         self.detok, self.stop = IncrementalDetokenizer(tok), StopMatcher(p.stop)
         self.text, self.out_ids, self.finished, self.aborted = "", [], False, False
 
@@ -113,7 +113,7 @@ class Engine:
         with self._lock:
             rid = req.request_id or f"req-{next(self._ids)}"
             handle = RequestHandle(self, rid)
-            seq = _Seq(rid, req, self.tokenizer, handle)
+            seq = _Seq(rid, req, self.tokenizer, handle, self.device)
             self.seqs[rid] = seq
             self.waiting.append(seq)
         self._wake.set()
@@ -217,8 +217,9 @@ class Engine:
             pages = self.pool.alloc(L.mla_pages(total) + L.kda_pages)
             seq.mla_pages, seq.kda_pages = pages[: L.mla_pages(total)], pages[L.mla_pages(total):]
             if L.n_kda:
-                self.pool.write_kda(seq.kda_pages, torch.zeros(L.n_kda, L.kda_heads, L.kda_dim, L.kda_dim),
-                                    torch.zeros(L.n_kda, 3, L.kda_heads * L.kda_dim, L.conv_width - 1))
+                dev = self.pool.data.device
+                self.pool.write_kda(seq.kda_pages, torch.zeros(L.n_kda, L.kda_heads, L.kda_dim, L.kda_dim, device=dev),
+                                    torch.zeros(L.n_kda, 3, L.kda_heads * L.kda_dim, L.conv_width - 1, device=dev))
 
     # ---- model calls --------------------------------------------------------------------------------------
     def _forward(self, seqs: list[_Seq], new: torch.Tensor) -> torch.Tensor:

@@ -135,5 +135,5 @@ class BlockPool:
         blob = torch.cat([states.to(torch.float32).contiguous().view(-1).view(torch.uint8),
                           conv.to(L.dtype).contiguous().view(-1).view(torch.uint8)])
         pad = len(pages) * L.page_bytes - blob.numel()
-        blob = torch.cat([blob, blob.new_zeros(pad)]).view(len(pages), L.page_bytes)
+        blob = torch.cat([blob, blob.new_zeros(pad)]).view(len(pages), L.page_bytes).to(self.data.device)
         self.data[torch.as_tensor(pages, dtype=torch.long, device=self.data.device)] = blob

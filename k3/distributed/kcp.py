@@ -28,6 +28,15 @@ rank 0). ``local_cu_seqlens(global_cu, start, end)`` derives both from the globa
   - only piece 0 receives S_in(r), and only if it continues; the other pieces start from zero.
 
 Every rank must run the backward of every KCP call (as with DDP): the backward all-gathers are collectives.
+
+The GLOBAL interface (``cp_chunk_kda``): B = 1 packed documents, the GLOBAL ``cu_seqlens`` on every rank, and the
+packed sequence cut into R equal contiguous slices (total tokens divisible by R); rank r passes tokens
+[r T/R, (r+1) T/R) and gets their outputs. Two implementations behind it, drop-in comparable:
+  - impl="k3"  (``kcp_chunk_kda_global``): the KCP above, through ``local_cu_seqlens``; any device, any backend
+    (fla's kernels for the local chunks on CUDA, the torch reference elsewhere), final states available through
+    ``kcp_chunk_kda`` itself;
+  - impl="fla" (``fla_cp_chunk_kda``): fla-core's own CP (``fla.ops.cp.build_cp_context`` + ``chunk_kda(...,
+    cp_context=...)``); CUDA and fla-core only, no initial/final states.
 """
 
 from __future__ import annotations
@@ -36,9 +45,13 @@ import torch
 import torch.distributed as dist
 
 from ..ops.kda.cp import chunk_kda_any, scan_states, segment_summary
+from ..ops.kda.fla import _fla_ops, fla_build_cp_context, fla_chunk_kda_cp, fla_cp_available
 from ..ops.short_conv import short_conv
 
-__all__ = ["kcp_chunk_kda", "kcp_short_conv", "local_cu_seqlens"]
+__all__ = ["kcp_chunk_kda", "kcp_short_conv", "local_cu_seqlens", "equal_split", "kcp_chunk_kda_global",
+           "fla_cp_chunk_kda", "cp_chunk_kda", "CP_IMPLS"]
+
+CP_IMPLS = ("k3", "fla")
 
 
 def _all_gather(x: torch.Tensor, group) -> list[torch.Tensor]:
@@ -166,3 +179,110 @@ def kcp_short_conv(x, weight, group=None, cu_seqlens=None, first_doc_continues=T
     halo = _HaloFromPrevious.apply(tail, group)
     state = _first_piece_state(halo.transpose(1, 2), cu_seqlens, first_doc_continues)  # [N,D,W-1], oldest first
     return short_conv(x, weight, state=state, cu_seqlens=cu_seqlens, activation=activation)[0]
+
+
+# ---------------------------------------------------------------- the GLOBAL interface: k3's KCP or fla-core's CP
+
+
+def equal_split(total: int, world: int, rank: int) -> tuple[int, int]:
+    """[start, end) of rank ``rank``'s slice when ``total`` packed tokens are cut into ``world`` equal contiguous
+    slices (fla's 'contiguous' layout)."""
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not one of {world} ranks")
+    if total < world or total % world:
+        raise ValueError(f"the packed sequence's {total} tokens must be a positive multiple of the {world} ranks "
+                         f"(equal contiguous split); pad the packed batch to a multiple of {world}")
+    n = total // world
+    return rank * n, (rank + 1) * n
+
+
+def _check_global_shapes(q, k, v, g, beta, cu_seqlens) -> None:
+    """Checks that need no process group (raised before any collective, identically on every rank)."""
+    if q.dim() != 4:
+        raise ValueError(f"q must be [1, T/R, H, K]; got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if B != 1:
+        raise ValueError(f"the global CP interface takes documents packed into batch 1 (with cu_seqlens); "
+                         f"got batch {B}")
+    if k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"q, k and g must have the same shape [1, T/R, H, K]; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, g {tuple(g.shape)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be [1, T/R, H, V] with q's [1, T/R, H] = {tuple(q.shape[:3])}; got {tuple(v.shape)}")
+    if beta.shape != q.shape[:3]:
+        raise ValueError(f"beta must be [1, T/R, H] = {tuple(q.shape[:3])}; got {tuple(beta.shape)}")
+    if cu_seqlens is not None:
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor of GLOBAL boundaries [0, ..., total]; "
+                             f"got {cu_seqlens}")
+        cu = cu_seqlens.tolist()
+        if cu[0] != 0 or any(b <= a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must start at 0 and strictly increase (non-empty documents); got {cu}")
+
+
+def _global_split(q, cu_seqlens, group) -> tuple[torch.Tensor, int, int]:
+    """-> (global cu_seqlens on the CPU, start, end) of this rank's slice; checks it is the slice passed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("the global CP interface needs an initialized torch.distributed process group "
+                           "(torchrun / init_process_group); a single process can use k3.ops.kda.chunk_kda")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    T = q.shape[1]
+    cu = (torch.tensor([0, T * world]) if cu_seqlens is None else cu_seqlens.detach().to("cpu", torch.long))
+    total = int(cu[-1])
+    start, end = equal_split(total, world, rank)
+    if end - start != T:
+        raise ValueError(f"cu_seqlens covers {total} tokens, so each of the {world} ranks must pass its own "
+                         f"{total // world}-token slice [1, {total // world}, H, K]; rank {rank} passed {T} tokens")
+    return cu, start, end
+
+
+def kcp_chunk_kda_global(q, k, v, g, beta, cu_seqlens=None, group=None, scale=None, lower_bound=None,
+                         backend="auto", chunk_size=64):
+    """k3's KCP behind the GLOBAL interface: this rank's outputs o [1, T/R, H, V].
+
+    q, k, g [1, T/R, H, K], v [1, T/R, H, V], beta [1, T/R, H]: this rank's equal contiguous slice of the packed
+    sequence; ``cu_seqlens``: the GLOBAL document boundaries [0, ..., T] (None: one document), the same on every
+    rank. Same arguments as ``fla_cp_chunk_kda``; ``backend``/``chunk_size`` pick the local kernels as in
+    ``kcp_chunk_kda`` (which also gives final states). Every rank must run the backward.
+    """
+    _check_global_shapes(q, k, v, g, beta, cu_seqlens)
+    cu, start, end = _global_split(q, cu_seqlens, group)
+    cu_loc, continues = local_cu_seqlens(cu, start, end)
+    o, _ = kcp_chunk_kda(q, k, v, g, beta, group, scale, cu_loc.to(q.device), continues, False, chunk_size,
+                         backend, lower_bound)
+    return o
+
+
+def fla_cp_chunk_kda(q, k, v, g, beta, cu_seqlens=None, group=None, scale=None, lower_bound=None):
+    """fla-core's own context parallelism behind the GLOBAL interface (``fla.ops.cp.build_cp_context`` and
+    ``fla.ops.kda.chunk_kda(..., cp_context=...)``, 'contiguous' layout): this rank's outputs o [1, T/R, H, V].
+
+    Arguments as ``kcp_chunk_kda_global``. Needs fla-core (with triton) and CUDA tensors; there is no initial or
+    final state under fla's CP. Every rank must run the backward.
+    """
+    _check_global_shapes(q, k, v, g, beta, cu_seqlens)
+    if not fla_cp_available(q):
+        why = "fla-core does not import here" if _fla_ops() is None else f"the tensors are on {q.device}"
+        raise RuntimeError(f"fla_cp_chunk_kda (impl='fla') needs fla-core with triton on CUDA tensors ({why}); "
+                           "kcp_chunk_kda_global / cp_chunk_kda(impl='k3') is the portable path (any device, "
+                           "torch or fla local kernels)")
+    cu, _, _ = _global_split(q, cu_seqlens, group)
+    if cu_seqlens is None or cu_seqlens.device != q.device or cu_seqlens.dtype not in (torch.int32, torch.long):
+        cu_seqlens = cu.to(q.device)  # fla caches the context by the tensor's identity: pass a device tensor
+    ctx = fla_build_cp_context(cu_seqlens, group if group is not None else dist.group.WORLD)  # None would mean no CP
+    return fla_chunk_kda_cp(q, k, v, g, beta, ctx, scale, lower_bound)
+
+
+def cp_chunk_kda(q, k, v, g, beta, cu_seqlens=None, group=None, scale=None, lower_bound=None, impl="k3",
+                 backend="auto", chunk_size=64):
+    """Context-parallel chunk_kda behind the GLOBAL interface; ``impl``: "k3" (``kcp_chunk_kda_global``, portable)
+    or "fla" (``fla_cp_chunk_kda``, fla-core on CUDA). ``backend`` and ``chunk_size`` choose impl="k3"'s local
+    kernels; impl="fla" always runs fla's (64-token chunks)."""
+    if impl == "k3":
+        return kcp_chunk_kda_global(q, k, v, g, beta, cu_seqlens, group, scale, lower_bound, backend, chunk_size)
+    if impl == "fla":
+        if backend not in ("auto", "fla") or chunk_size != 64:
+            raise ValueError(f"impl='fla' runs fla-core's kernels with 64-token chunks; backend={backend!r} and "
+                             f"chunk_size={chunk_size} apply to impl='k3' only")
+        return fla_cp_chunk_kda(q, k, v, g, beta, cu_seqlens, group, scale, lower_bound)
+    raise ValueError(f"unknown CP implementation {impl!r}; expected one of {CP_IMPLS}")

@@ -6,7 +6,8 @@ import functools
 
 import torch
 
-__all__ = ["fla_available", "fla_chunk_kda", "fla_fused_recurrent_kda"]
+__all__ = ["fla_available", "fla_chunk_kda", "fla_fused_recurrent_kda", "fla_cp_available", "fla_build_cp_context",
+           "fla_chunk_kda_cp"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -43,3 +44,38 @@ def fla_fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, ou
     _, rec = _require()
     return rec(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+# ---------------------------------------------------------------- fla-core's own context parallelism
+
+
+@functools.lru_cache(maxsize=1)
+def _fla_cp():
+    try:
+        from fla.ops.cp import build_cp_context
+    except Exception:  # noqa: BLE001 - as above: any import failure means "not available"
+        return None
+    return build_cp_context
+
+
+def fla_cp_available(x: torch.Tensor) -> bool:
+    """fla-core's context parallelism (``fla.ops.cp``) can run on ``x``'s device."""
+    return fla_available(x) and _fla_cp() is not None
+
+
+def fla_build_cp_context(cu_seqlens: torch.Tensor, group):
+    """fla's FLACPContext for this rank's equal, contiguous 1/world slice of the packed sequence; ``cu_seqlens``:
+    the GLOBAL boundaries (moved to the device by the caller). fla caches the context by the tensor's identity."""
+    build = _fla_cp()
+    if build is None:
+        raise RuntimeError("fla-core's context parallelism (fla.ops.cp) does not import: pip install 'k3[gpu]'")
+    return build(cu_seqlens=cu_seqlens, group=group)
+
+
+def fla_chunk_kda_cp(q, k, v, g, beta, cp_context, scale=None, lower_bound=None):
+    """fla's chunk_kda of this rank's slice with its cross-rank state exchange (``cp_context``); returns o only:
+    fla supports neither an initial state nor a final state under CP. Same conventions as ``fla_chunk_kda``."""
+    chunk, _ = _require()
+    o, _ = chunk(q, k, v, g, beta, scale=scale, cu_seqlens=cp_context.cu_seqlens, cp_context=cp_context,
+                 safe_gate=lower_bound is not None, lower_bound=lower_bound)
+    return o

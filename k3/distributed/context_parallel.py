@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from ..ops import kda as kda_ops
 from ..ops.norms import l2_norm
 from ..ops.varlen import document_ids, same_document
-from .data_parallel import ParallelContext
+from .data_parallel import ParallelContext, collective_device
 from .kcp import kcp_chunk_kda, kcp_short_conv, local_cu_seqlens
 
 __all__ = ["ContextParallel", "gather_sequence", "cp_shifted_targets", "cp_loss_sum", "cp_mean_loss"]
@@ -69,7 +69,7 @@ def gather_sequence(x: torch.Tensor, group, ranges: list[tuple[int, int]]) -> to
 
 def _rank_ranges(group, start: int, end: int) -> list[tuple[int, int]]:
     """All ranks' [start, end), checked to tile [0, T_global) in rank order."""
-    mine = torch.tensor([start, end], dtype=torch.long)
+    mine = torch.tensor([start, end], dtype=torch.long, device=collective_device(group))  # NCCL: on the GPU
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, mine, group=group)
     ranges = [(int(p[0]), int(p[1])) for p in parts]
@@ -108,11 +108,13 @@ class ContextParallel:
         else:
             self.cu_local, self.continues = None, True
         self.cu_seqlens = cu_seqlens
-        doc = document_ids(cu_seqlens, self.total, torch.device("cpu"))
-        q_pos, k_pos = torch.arange(self.start, self.end), torch.arange(self.end)
+        cpu = torch.device("cpu")  # mask and positions: built on the CPU whatever the default device, moved by attend
+        doc = document_ids(cu_seqlens, self.total, cpu)
+        q_pos, k_pos = torch.arange(self.start, self.end, device=cpu), torch.arange(self.end, device=cpu)
         self.mask = ((doc[q_pos, None] == doc[None, k_pos]) & (k_pos[None, :] <= q_pos[:, None]))[None]  # [1,T,S]
-        doc_start = cu_seqlens.cpu()[doc] if cu_seqlens is not None else torch.zeros(self.total, dtype=torch.long)
-        self.positions = (torch.arange(self.total) - doc_start)[None, self.start:self.end]  # [1,T] in-document (RoPE)
+        doc_start = (cu_seqlens.cpu()[doc] if cu_seqlens is not None
+                     else torch.zeros(self.total, dtype=torch.long, device=cpu))
+        self.positions = (torch.arange(self.total, device=cpu) - doc_start)[None, self.start:self.end]  # [1,T] (RoPE)
 
     def attend(self, layer, x: torch.Tensor) -> torch.Tensor:
         """The token mixer of ``layer`` (a DecoderLayer) on this rank's tokens x [B,T,D] -> [B,T,D]."""

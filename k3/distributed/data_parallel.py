@@ -1,6 +1,6 @@
 """Sharded data parallelism with FSDP2 (``fully_shard``) over a DeviceMesh (SPEC §8), applied from outside.
 
-``init_from_env()`` joins the process group torchrun describes (gloo on CPU, NCCL on CUDA); ``apply_fsdp``
+``init_from_env(device)`` joins the process group torchrun describes (gloo on CPU, NCCL on CUDA); ``apply_fsdp``
 shards every decoder layer (and MTP layer) and then the root, so parameters, gradients and optimiser state
 are sharded along dim 0 across the data-parallel ranks. Collective helpers used by the training loop live
 here too: the loss average, the MAX of MLA max-logits (QK-clip must see the global maximum), and full
@@ -15,20 +15,43 @@ import torch
 import torch.distributed as dist
 
 
-def init_from_env() -> tuple[int, int, torch.device]:
-    """(rank, world_size, device). Without torchrun's environment: (0, 1, cuda-or-cpu) and no process group."""
+def init_from_env(device: str | torch.device | None = None) -> tuple[int, int, torch.device]:
+    """(rank, world_size, device). Without torchrun's environment: (0, 1, the device) and no process group.
+
+    ``device``: the TrainConfig's device ("auto", "cpu", "cuda", "cuda:N"); None means "auto" (CUDA when
+    available). Under torchrun a CUDA device means NCCL and cuda:LOCAL_RANK for every rank (so "cuda:N" is
+    refused there), anything else gloo and that device: ``--device cpu`` on a GPU machine runs on gloo."""
+    want = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device in (None, "auto") \
+        else torch.device(device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
-    rank = dist.get_rank()
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+        return 0, 1, want
+    cuda = want.type == "cuda"
+    if cuda and want.index is not None:
+        raise ValueError(f"device {str(want)!r} names one GPU, but under torchrun rank r uses cuda:LOCAL_RANK; "
+                         f"pass --device cuda (or auto)")
+    if cuda and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was asked for, but CUDA is not available; pass --device cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:  # before the process group, so that NCCL binds this rank's GPU
         torch.cuda.set_device(local)
-        return rank, world, torch.device("cuda", local)
-    return rank, world, torch.device("cpu")
+    if not dist.is_initialized():
+        if cuda:
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        else:
+            dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if cuda:
+        return rank, world, torch.device("cuda", torch.cuda.current_device())
+    return rank, world, want
+
+
+def collective_device(group=None) -> torch.device:
+    """Where a small host-built tensor (a loss, a count, a range) must live for a collective over ``group``:
+    the current CUDA device under NCCL, which has no CPU transport; the CPU otherwise."""
+    if dist.get_backend(group) == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def is_distributed() -> bool:
@@ -50,7 +73,7 @@ def apply_fsdp(model: torch.nn.Module, world: int, device: torch.device):
 def mean_across_ranks(x: float) -> float:
     if not is_distributed():
         return x
-    t = torch.tensor([x], dtype=torch.float64)
+    t = torch.tensor([x], dtype=torch.float64, device=collective_device())
     dist.all_reduce(t)
     return float(t) / dist.get_world_size()
 
@@ -84,8 +107,9 @@ class ParallelContext:
         self.rank, self.world, self.device = rank, world, device
 
     @classmethod
-    def from_env(cls):
-        return cls(*init_from_env())
+    def from_env(cls, device: str | torch.device | None = None):
+        """Join torchrun's process group; ``device``: the TrainConfig's device (see ``init_from_env``)."""
+        return cls(*init_from_env(device))
 
     @staticmethod
     def launched() -> bool:

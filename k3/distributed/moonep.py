@@ -91,7 +91,7 @@ def plan_arrays(expert_loads: Sequence[int] | torch.Tensor, num_ranks: int) -> P
         for j, (e, t) in enumerate(row):
             experts[r][j], counts[r][j], offsets[r][j] = e, t, start[e]
             start[e] += t
-    as_tensor = lambda x: torch.tensor(x, dtype=torch.int64).reshape(R, M)  # noqa: E731
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device="cpu").reshape(R, M)  # noqa: E731
     return PlanArrays(as_tensor(experts), as_tensor(counts), as_tensor(offsets))
 
 

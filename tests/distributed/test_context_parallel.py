@@ -1,7 +1,8 @@
 """Whole-model context parallelism (SPEC §8) against the single-process model: logits, loss, parameter gradients.
 
-One spawn of 2 gloo ranks on CPU; every rank builds the same tiny model (no MTP) from one seed, runs the
-single-process forward/backward on the whole packed row, then the CP forward on its slice with
+One spawn of 2 ranks (gloo on CPU, or NCCL on cuda:rank with K3_TEST_BACKEND=nccl); every rank builds the same
+tiny model (no MTP) from one seed, runs the single-process forward/backward on the whole packed row, then the CP
+forward on its slice with
 ``cache=ContextParallel(...)``, backward of its share of the global mean loss, all-reduces (sums) parameter
 gradients and compares. Legend: T_global tokens in the packed row, [start, end) this rank's segment.
 """

@@ -1,9 +1,10 @@
 """Expert parallelism with MoonEP dispatch (SPEC §8) against the single-process LatentMoE: outputs, gradients of
 the inputs, the replicated parameters (after the DP all-reduce) and every owner's expert shard; static receive size.
 
-Multi-process tests spawn 2 or 4 gloo ranks on CPU. Every rank builds the same LatentMoE and the same global tokens
-from one seed, runs the single-process reference on all ranks' tokens concatenated, then the expert-parallel module
-on its own slice. Legend: R ranks, S tokens per rank, D hidden, E experts, k experts per token, m = E/R.
+Multi-process tests spawn 2 or 4 ranks (gloo on CPU, or NCCL on cuda:rank with K3_TEST_BACKEND=nccl). Every
+rank builds the same LatentMoE and the same global tokens from one seed, runs the single-process reference on all
+ranks' tokens concatenated, then the expert-parallel module on its own slice. Legend: R ranks, S tokens per rank,
+D hidden, E experts, k experts per token, m = E/R.
 """
 
 import dataclasses
@@ -17,7 +18,7 @@ from k3.distributed.expert_parallel import (ExpertParallelBank, _replica_exchang
                                             parallelize_moe)
 from k3.layers.width.latent_moe import LatentMoE
 
-from .gloo import needs_gloo, spawn
+from .gloo import spawn, worlds
 from tests.conftest import assert_close
 
 S = 6  # tokens per rank when the split is even
@@ -75,7 +76,7 @@ def test_parallelize_moe_needs_a_process_group():
         parallelize_moe(LatentMoE(K3Config.preset("tiny")))
 
 
-# ---------------------------------------------------------------- multi-process (gloo)
+# ---------------------------------------------------------------- multi-process (gloo, or NCCL: see gloo.py)
 
 
 def _build_moe(cfg, bias):
@@ -94,7 +95,8 @@ def _split_sources(layout, E):
     """(source rank, expert) pairs whose slots go to two or more destination ranks."""
     R, _, M = layout.pieces.shape
     experts = layout.plan.experts.clamp(min=0)[None].expand(R, R, M)
-    sent_RRE = torch.zeros(R, R, E, dtype=torch.int64).scatter_add_(2, experts, layout.pieces)
+    sent_RRE = torch.zeros(R, R, E, dtype=torch.int64, device=layout.pieces.device).scatter_add_(2, experts,
+                                                                                                 layout.pieces)
     return int(((sent_RRE > 0).sum(1) > 1).sum())
 
 
@@ -157,8 +159,7 @@ def _check_all(rank, world):
 
 
 @pytest.mark.distributed
-@needs_gloo
-@pytest.mark.parametrize("world", [2, 4], ids=lambda w: f"R{w}")
+@pytest.mark.parametrize("world", worlds(2, 4))
 def test_expert_parallel_moe_matches_single_process(world, tmp_path):
     """One spawn per world size: skewed loads forcing split experts and replicas, random routing and uneven token
     counts; outputs, input grads, replicated-parameter grads (all-reduced) and each owner's expert grads."""

@@ -1,7 +1,8 @@
 """KCP and intra-device CP (SPEC §8) against single-process chunk_kda / short_conv: outputs, states, gradients.
 
-Multi-process tests spawn 2 or 4 gloo ranks on CPU; each rank builds the same global inputs from one seed, runs
-the single-process reference on the whole sequence, and checks its own slice of outputs and input gradients.
+Multi-process tests spawn 2 or 4 ranks (gloo on CPU, or NCCL on cuda:rank with K3_TEST_BACKEND=nccl); each rank
+builds the same global inputs from one seed, runs the single-process reference on the whole sequence, and checks
+its own slice of outputs and input gradients.
 Legend: B batch, T time, H heads, K key dim, V value dim, D channels, W conv width.
 """
 
@@ -15,7 +16,7 @@ from k3.ops.kda.cp import intra_device_cp_kda, scan_states, segment_summary, seg
 from k3.ops.kda.reference import chunk_kda, recurrent_kda
 from k3.ops.short_conv import short_conv
 
-from .gloo import needs_gloo, spawn
+from .gloo import spawn, worlds
 from tests.conftest import assert_close
 from tests.ops.test_kda import make_inputs
 
@@ -124,7 +125,7 @@ def test_kcp_input_errors_are_raised_before_any_collective():
         kcp_short_conv(torch.randn(1, 2, 4), torch.randn(4, 1, 4))
 
 
-# ---------------------------------------------------------------- multi-process (gloo)
+# ---------------------------------------------------------------- multi-process (gloo, or NCCL: see gloo.py)
 
 
 def _rank_range(rank, world):
@@ -190,8 +191,7 @@ def _check_all(rank, world):
 
 
 @pytest.mark.distributed
-@needs_gloo
-@pytest.mark.parametrize("world", [2, 4], ids=lambda w: f"R{w}")
+@pytest.mark.parametrize("world", worlds(2, 4))
 def test_kcp_kda_and_short_conv_match_single_process(world, tmp_path):
     """One spawn per world size (process start-up dominates): KCP chunk_kda on plain batches and on packed
     documents (every layout of LAYOUTS), then kcp_short_conv on both; outputs, final state, all input gradients."""

@@ -1,10 +1,13 @@
 """Kimi Delta Attention ops: the pure-torch reference and the fla-core dispatch (see README.md here).
 
 ``backend``: "auto" uses fla-core on CUDA when it imports, else the reference; "torch" forces the
-reference; "fla" requires fla-core.
+reference; "fla" requires fla-core. The environment variable ``K3_KDA_BACKEND`` ("auto", "torch" or "fla", read
+at every call) overrides what "auto" resolves to, e.g. ``K3_KDA_BACKEND=torch`` runs the reference on CUDA too.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -15,12 +18,22 @@ from .gate import kda_gate, lower_bound_gate, softplus_gate
 __all__ = ["chunk_kda", "recurrent_kda", "kda_gate", "lower_bound_gate", "softplus_gate", "resolve_backend"]
 
 BACKENDS = ("auto", "torch", "fla")
+BACKEND_ENV = "K3_KDA_BACKEND"  # overrides what backend="auto" resolves to
 
 
 def resolve_backend(backend: str, x: torch.Tensor) -> str:
+    """The kernels ``backend`` means for tensors like ``x``: "torch" or "fla". For "auto", ``K3_KDA_BACKEND``
+    (read at every call) decides when set to "torch" or "fla"; unset, empty or "auto": fla-core on CUDA when it
+    imports, else the reference."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown KDA backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
+        override = os.environ.get(BACKEND_ENV, "").strip() or "auto"
+        if override not in BACKENDS:
+            raise ValueError(f"environment variable {BACKEND_ENV}={os.environ[BACKEND_ENV]!r} is not a KDA backend; "
+                             f"expected one of {BACKENDS} (or unset)")
+        if override != "auto":
+            return override
         return "fla" if fla_available(x) else "torch"
     return backend
 

@@ -1,0 +1,148 @@
+"""`--dp D --ep E` on a 2-D ("dp", "ep") mesh (k3.distributed.mesh.DataExpertParallelTraining) against one process.
+
+Two checks: (1) in-process, 4 gloo ranks (dp 2 x ep 2): every parameter gradient after ``reduce_grads``, gathered
+to full tensors (experts put back in their true order), and the global gradient norm the training loop clips with,
+equal the single-process ones on the same global batch; (2) ``torchrun --nproc_per_node 4 -m k3 train --dp 2 --ep 2``
+reproduces the single-process loss curve at the same global batch and saves the same checkpoint.
+
+Adam and Muon are (nearly) invariant to the scale of a gradient, so a loss curve alone would not catch a wrong
+gradient scale: (1) compares the gradients themselves, (2) also the logged gradient norm.
+"""
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from .gloo import needs_backend, spawn, test_device
+from .runs import ARGS, LOAD_ATOL, LOSS_RTOL, ONE, WEIGHT_ATOL, torchrun, train_run as _run
+from tests.conftest import assert_close
+
+VOCAB, SLICE, TOL = 128, 40, 1e-5
+
+
+def global_batch(world: int) -> dict:
+    """A packed row of ``world`` slices of SLICE tokens; documents cross no slice boundary (as the loader's)."""
+    torch.manual_seed(1)
+    cuts = {0, 7, 19, 33, 52, 70, 71, 95, 118, 122, 141, world * SLICE} | {r * SLICE for r in range(world)}
+    cu = torch.tensor(sorted(c for c in cuts if c <= world * SLICE))
+    return {"input_ids": torch.randint(0, VOCAB, (1, world * SLICE)), "cu_seqlens": cu}
+
+
+def reference(batch: dict, mtp_weight: float):
+    """The tiny model (with its MTP layer) and its single-process loss and gradients on the whole batch."""
+    from k3.config import K3Config
+    from k3.model.transformer import K3ForCausalLM
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset("tiny").replace(vocab_size=VOCAB)).train()
+    clean = copy.deepcopy(model)
+    out = model(batch["input_ids"], cu_seqlens=batch["cu_seqlens"], labels=batch["input_ids"], mtp_weight=mtp_weight)
+    out["loss"].backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return clean, out, grads
+
+
+def full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _check_gradients(rank, world):
+    from k3.distributed.expert_parallel import ExpertParallelBank, unpermute_experts
+    from k3.distributed.mesh import DataExpertParallelTraining
+
+    os.environ["WORLD_SIZE"] = str(world)  # init_from_env reads it; the process group is already up
+    batch, w = global_batch(world), 0.3
+    model, ref, ref_grads = reference(batch, w)
+    untouched = copy.deepcopy(model)
+    par = DataExpertParallelTraining(2, 2)
+    assert par.mesh.mesh_dim_names == ("dp", "ep")
+    assert par.mesh["dp"].get_local_rank() == rank // 2 and par.mesh["ep"].get_local_rank() == rank % 2
+    par.shard(model)
+    banks = [m for m in model.modules() if isinstance(m, ExpertParallelBank)]
+    assert banks and all(b.w1.to_local().shape[0] == b.num_experts // world for b in banks)  # E/(dp*ep) per rank
+    loss, lm, mtp, n = par.loss(model, batch, w, test_device(rank))
+    loss.backward()
+    par.reduce_grads(model)
+    assert n == batch["input_ids"].numel()
+    assert lm == pytest.approx(ref["lm_loss"].item(), rel=1e-6) and mtp == pytest.approx(ref["mtp_loss"].item(), rel=1e-6)
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            g = full(p.grad)  # collective: the same order on every rank
+            grads[name] = unpermute_experts(g, 2, 2) if name in par._experts else g
+    assert set(grads) == set(ref_grads) and len(par._experts) == 3 * len(banks)
+    for name, g in grads.items():
+        assert_close(f"rank {rank} grad {name}", ref_grads[name], g, TOL)
+    # the loop clips with torch.nn.utils.clip_grad_norm_(model.parameters()): one mesh, so the global norm
+    norm = full(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]))
+    ref_norm = torch.nn.utils.get_total_norm(list(ref_grads.values()))
+    assert float(norm) == pytest.approx(float(ref_norm), rel=1e-6)
+    # the checkpoint's full state: the single-process names, shapes and (untrained) values
+    state, ref_state = par.full_state(model), untouched.state_dict()
+    assert set(state) == set(ref_state)
+    for k, v in ref_state.items():
+        assert state[k].shape == v.shape and torch.equal(state[k], v), k
+
+
+@pytest.mark.distributed
+@needs_backend(4)
+def test_dp2_x_ep2_gradients_equal_one_process(tmp_path):
+    spawn(_check_gradients, 4, tmp_path)
+
+
+@pytest.mark.distributed
+@needs_backend(4)
+def test_dp2_x_ep2_reproduces_the_single_process_loss_curve_and_checkpoint(tmp_path):
+    """4 processes: every rank its slice of the global batch, experts over "ep" (MoonEP) and then "dp", the
+    other weights FSDP2-sharded over all 4 ranks."""
+    single = _run(ONE + ["--batch-size", "4"], tmp_path / "one")
+    mesh = _run(torchrun(4) + ["--batch-size", "1", "--dp", "2", "--ep", "2"], tmp_path / "mesh")
+    assert [r["step"] for r in mesh] == [1, 2, 3, 4]
+    for a, b in zip(single, mesh):
+        # same samples, the global token mean in both: equal up to float summation order (stated tolerance 1e-5,
+        # measured <= 2e-7); the gradient norm is the global one (every weight on one mesh)
+        for key in ("loss", "mtp_loss", "grad_norm"):
+            assert abs(a[key] - b[key]) < LOSS_RTOL * a[key], (key, a, b)
+        if "val_loss" in a:
+            assert b["val_loss"] == pytest.approx(a["val_loss"], rel=LOSS_RTOL)
+        # Quantile Balancing's histogram all-reduce over the world pools the same global batch
+        assert abs(a["load_max_over_mean"] - b["load_max_over_mean"]) <= LOAD_ATOL, (a, b)
+        if not LOAD_ATOL:
+            assert a["load_per_layer"] == b["load_per_layer"]
+        assert a["tokens"] == b["tokens"]
+    ck = tmp_path / "mesh" / "checkpoint"
+    assert all((ck / f"optimizer.rank{r}.pt").exists() for r in range(4))
+    from safetensors.torch import load_file
+
+    ref, got = load_file(tmp_path / "one" / "checkpoint" / "model.safetensors"), load_file(ck / "model.safetensors")
+    assert set(got) == set(ref)  # official names, experts gathered back to one tensor per expert
+    assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in ref.items()}
+    worst = max((got[k].float() - v.float()).abs().max().item() for k, v in ref.items())
+    assert worst < WEIGHT_ATOL  # every weight and router bias after 4 steps (measured ~3e-6)
+
+
+@pytest.mark.distributed
+def test_dp_x_ep_refuses_a_mismatched_process_count(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "k3", "train", "--dp", "2", "--ep", "2"] + ARGS
+                       + ["--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "--dp 2 x --ep 2 needs 4 processes, 1 are running" in r.stderr, r.stderr[-2000:]
+    assert "torchrun --nproc_per_node 4" in r.stderr
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(torchrun(2) + ["--dp", "2", "--ep", "2"] + ARGS
+                       + ["--out", str(tmp_path / "y")], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode != 0 and "needs 4 processes, 2 are running" in r.stdout + r.stderr, r.stderr[-2000:]
+
+
+def test_ep_with_cp_is_refused_clearly(tmp_path):
+    """The one combination not composed: the loop says so before any work."""
+    from types import SimpleNamespace
+
+    from k3.train.loop import TrainConfig, train
+
+    par = SimpleNamespace(rank=0, world=4, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="--ep is not composed with --cp yet"):
+        train(TrainConfig(out=str(tmp_path / "x"), ep=2, cp=2), log=lambda *a: None, parallel=par)

@@ -65,18 +65,20 @@ def run(args) -> int:
     from ..distributed.data_parallel import DataParallel
 
     cfg = config_from_args(args, TrainConfig(out=args.out))
-    if cfg.cp > 1 and cfg.dp > 1:
+    if cfg.ep > 1 and cfg.cp > 1:  # not composed: the loop's checks say so (and how many processes to start)
+        par = DataParallel.from_env(device=cfg.device) if DataParallel.launched() else None
+    elif cfg.ep > 1:  # --ep R alone is the mesh with dp = 1 (every rank still takes its own slice of the batch)
+        from ..distributed.mesh import DataExpertParallelTraining
+
+        par = DataExpertParallelTraining(cfg.dp, cfg.ep, device=cfg.device)
+    elif cfg.cp > 1 and cfg.dp > 1:
         from ..distributed.mesh import DataContextParallelTraining
 
-        par = DataContextParallelTraining(cfg.dp, cfg.cp)
+        par = DataContextParallelTraining(cfg.dp, cfg.cp, device=cfg.device)
     elif cfg.cp > 1:
-        par = ContextParallelTraining.from_env()
-    elif cfg.ep > 1:
-        from ..distributed.expert_parallel import ExpertParallelTraining
-
-        par = ExpertParallelTraining.from_env()
+        par = ContextParallelTraining.from_env(device=cfg.device)
     else:
-        par = DataParallel.from_env() if cfg.dp > 1 or DataParallel.launched() else None
+        par = DataParallel.from_env(device=cfg.device) if cfg.dp > 1 or DataParallel.launched() else None
     try:
         result = train(cfg, parallel=par)
     finally:

@@ -23,6 +23,10 @@ to z, the router through the combine weights, the projections) and a replica's w
 owner, where autograd sums them into the owner's shard. Every rank must run the backward of every forward (the
 backward holds collectives, as with DDP); the all-to-alls then run in the same order on every rank.
 
+Composed with data parallelism (``k3.distributed.mesh.DataExpertParallelTraining``, ``--dp D --ep R``): the MoonEP
+group is one "ep" row of a (dp, ep) mesh, and ``shard_experts_over_dp`` splits each rank's E/R experts once more over
+its "dp" column (all-gathered in the forward, reduce-scattered in the backward, like FSDP).
+
 Legend: N local tokens, k experts per token, E experts, R ranks, r this rank, m = E/R experts per rank,
 M = 2m plan entries per rank, T = sum(loads)/R rows computed per rank, L latent width, I expert intermediate,
 P = 3*I*L numbers per flattened expert.
@@ -39,10 +43,10 @@ from torch import nn
 from ..layers.width.latent_moe import ExpertBank, LatentMoE
 from ..ops.grouped_mm import grouped_mm
 from ..ops.situ import glu
-from .data_parallel import ParallelContext
 from .moonep import PlanArrays, plan_arrays
 
-__all__ = ["parallelize_moe", "ExpertParallelBank", "dispatch_layout", "DispatchLayout", "EPStep", "all_to_all"]
+__all__ = ["parallelize_moe", "shard_experts_over_dp", "unpermute_experts", "ExpertParallelBank", "dispatch_layout",
+           "DispatchLayout", "EPStep", "all_to_all"]
 
 
 # ---------------------------------------------------------------- collectives
@@ -71,6 +75,30 @@ def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], 
     """x [sum(send_splits), ...]: rows [sum(send_splits[:q]), +send_splits[q]) go to rank q; returns
     [sum(recv_splits), ...] with rank s's rows at [sum(recv_splits[:s]), +recv_splits[s]). Differentiable."""
     return _AllToAll.apply(x, list(send_splits), list(recv_splits), group)
+
+
+class _GatherRows(torch.autograd.Function):
+    """x [n,...] (equal n on every rank of ``group``) -> [R*n,...] in group-rank order; backward: the SUM of every
+    rank's gradient of the gathered tensor, this rank's rows (a reduce-scatter, as FSDP's)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.n = group, x.shape[0]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        if hasattr(dist, "reduce_scatter_single"):
+            out = grad.new_empty((ctx.n, *grad.shape[1:]))
+            dist.reduce_scatter_single(out, grad, group=ctx.group)
+            return out, None
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        r = dist.get_rank(ctx.group)
+        return grad[r * ctx.n:(r + 1) * ctx.n], None
 
 
 def _all_gather_counts(counts_E: torch.Tensor, group) -> torch.Tensor:
@@ -109,17 +137,18 @@ def dispatch_layout(counts_RE: torch.Tensor) -> DispatchLayout:
 def _send_order(layout: DispatchLayout, r: int, num_experts: int) -> torch.Tensor:
     """Positions, in rank r's expert-sorted slot list, in send order (by destination, then expert, then position)."""
     R = layout.pieces.shape[0]
-    send_QE = torch.zeros(R, num_experts, dtype=torch.int64)
+    dev = layout.pieces.device  # the layout lives on the CPU (dispatch_layout), whatever the default device
+    send_QE = torch.zeros(R, num_experts, dtype=torch.int64, device=dev)
     send_QE.scatter_add_(1, layout.plan.experts.clamp(min=0), layout.pieces[r])  # [R(dst),E]
     # an expert's slots go to its entries in rank order (offsets grow with the rank), so in sorted order
-    dest = torch.arange(R).repeat(num_experts).repeat_interleave(send_QE.T.reshape(-1))
+    dest = torch.arange(R, device=dev).repeat(num_experts).repeat_interleave(send_QE.T.reshape(-1))
     return dest.argsort(stable=True)
 
 
 def _arrival_entries(layout: DispatchLayout, r: int) -> torch.Tensor:
     """Plan entry j of every row rank r receives, in arrival order (by source, then entry, then position)."""
     R, _, M = layout.pieces.shape
-    return torch.arange(M).repeat(R).repeat_interleave(layout.pieces[:, r].reshape(-1))
+    return torch.arange(M, device=layout.pieces.device).repeat(R).repeat_interleave(layout.pieces[:, r].reshape(-1))
 
 
 class _ReplicaExchange(NamedTuple):
@@ -134,7 +163,7 @@ def _replica_exchange(plan: PlanArrays, r: int, m: int) -> _ReplicaExchange:
     """Which expert weights rank r sends to (and receives from) whom so that every plan entry has its weights."""
     R = plan.experts.shape[0]
     owner = plan.experts.div(m, rounding_mode="floor")  # [R,M], -1 for padding
-    replica = (plan.experts >= 0) & (owner != torch.arange(R)[:, None])
+    replica = (plan.experts >= 0) & (owner != torch.arange(R, device=plan.experts.device)[:, None])
     sent = replica & (owner == r)  # [R(dst),M] entries of other ranks that rank r's shard serves
     send_local = plan.experts[sent] - r * m  # row-major: by destination, then expert
     mine, n = plan.experts[r], int((plan.experts[r] >= 0).sum())
@@ -177,6 +206,7 @@ class ExpertParallelBank(nn.Module):
         self.w1, self.w3, self.w2 = (_shard(w, r * m, (r + 1) * m) for w in (bank.w1, bank.w3, bank.w2))
         self.act, self.b1, self.b2 = bank.act, bank.b1, bank.b2
         self.num_experts, self.rank, self.world_size, self.group = E, r, R, group
+        self.dp_group = None  # set by shard_experts_over_dp: w1/w3/w2 then hold 1/D of the shard each (DTensors)
         self.last_step: EPStep | None = None
 
     def extra_repr(self) -> str:
@@ -206,15 +236,26 @@ class ExpertParallelBank(nn.Module):
         """Weights of this rank's plan entries: its own shard rows, and replicas fetched from their owners."""
         m = self.num_experts // self.world_size
         ex = _replica_exchange(plan, self.rank, m)
-        own = torch.cat([self.w1.flatten(1), self.w3.flatten(1), self.w2.flatten(1)], dim=1)  # [m,P]
+        own = self._own_experts()  # [m,P]
         pool = own
         if ex.needed:  # a global decision: every rank joins the exchange or none does
             fetched = all_to_all(own[ex.send_local.to(own.device)], ex.send_splits, ex.recv_splits, self.group)
             pool = torch.cat([own, fetched])
         bank = pool[ex.pick.to(own.device)]  # [n,P]
-        (I, L), IL = self.w1.shape[1:], self.w1[0].numel()
+        I, L = self.w1.shape[1:]
+        IL = I * L
         w1, w3, w2 = bank[:, :IL], bank[:, IL:2 * IL], bank[:, 2 * IL:]
         return w1.unflatten(1, (I, L)), w3.unflatten(1, (I, L)), w2.unflatten(1, (L, I)), sum(ex.recv_splits)
+
+    def _own_experts(self) -> torch.Tensor:
+        """This rank's m = E/R experts, flattened (w1, w3, w2) rows [m,P]. Sharded over a data-parallel group too
+        (``shard_experts_over_dp``): each rank holds m/D of them and the D pieces are all-gathered (differentiable:
+        the backward sums the D ranks' gradients into each piece, a reduce-scatter)."""
+        ws = (self.w1, self.w3, self.w2)
+        if self.dp_group is not None:
+            ws = tuple(w.to_local() for w in ws)  # the gradient comes back as a DTensor laid out like the parameter
+        own = torch.cat([w.flatten(1) for w in ws], dim=1)
+        return _GatherRows.apply(own, self.dp_group) if self.dp_group is not None else own
 
     def _compute(self, rows, entry, counts_M, w1, w3, w2) -> torch.Tensor:
         """rows [T,L] in arrival order, entry [T] -> the experts' outputs [T,L] in arrival order."""
@@ -242,44 +283,39 @@ def parallelize_moe(moe: LatentMoE, group=None) -> None:
     moe.experts = ExpertParallelBank(moe.experts, group)
 
 
-class ExpertParallelTraining(ParallelContext):
-    """The parallel context ``k3.train.loop.train`` takes for ``k3 train --ep N`` (expert parallelism only):
-    each rank trains on its slice of the global batch (as in data parallelism); every LatentMoE's routed experts
-    are sharded over the ranks and run on the MoonEP plan; all other weights are replicated and their gradients
-    averaged. Checkpoints gather the experts back to full tensors."""
+def shard_experts_over_dp(bank: ExpertParallelBank, dp_group, mesh) -> None:
+    """Shard an expert-parallel bank's E/R experts once more over ``dp_group`` (ZeRO-3 / FSDP style, as torchtitan
+    shards experts over the data-parallel ranks left beside EP), so that every parameter of the model can live on
+    ONE 1-D DeviceMesh ``mesh`` of all D*R ranks (the mesh FSDP shards the other weights over): gradient-norm
+    clipping and Muon then see DTensors of a single mesh.
 
-    def shard(self, model) -> None:
-        for p in model.parameters():  # identical replicas before the experts are split
-            dist.broadcast(p.data, src=0)
-        moes = [m for m in model.modules() if isinstance(m, LatentMoE)]
-        if not moes:
-            raise ValueError("--ep needs a model with MoE layers")
-        for m in moes:
-            parallelize_moe(m)
-        self._experts = {id(p) for m in moes for p in m.experts.parameters()}
+    Ranks are laid out as rank = dp_index * R + ep_index (``mesh`` in rank order). Rank (d, r) keeps experts
+    [r*m + d*c, r*m + (d+1)*c) of the E, c = E/(D*R), as a DTensor Shard(0) of a [E, ...] bank on ``mesh``; the
+    DTensor's global view therefore lists the experts in the order of the chunks (d, r) by rank, a permutation of
+    the true order (``unpermute_experts`` undoes it). Muon orthogonalises each expert on its own and AdamW/weight
+    decay are elementwise, so the permutation changes no update. The forward all-gathers the D chunks of the
+    shard over ``dp_group`` (group-rank order is d) before MoonEP's dispatch; the backward reduce-scatters."""
+    from torch.distributed.tensor import DTensor, Shard
 
-    def loss(self, model, batch: dict, mtp_weight: float, device):
-        from .data_parallel import weighted_slice_loss
+    D = dist.get_world_size(dp_group)
+    m = bank.w1.shape[0]
+    if m % D:
+        raise ValueError(f"--dp x --ep shards each expert-parallel rank's E/R = {m} experts over the {D} data-parallel "
+                         f"ranks: choose dp dividing E/ep (E = {bank.num_experts})")
+    c, d = m // D, dist.get_rank(dp_group)
+    for name in ("w1", "w3", "w2"):
+        w = getattr(bank, name)
+        local = w.detach()[d * c:(d + 1) * c].clone()
+        full = (bank.num_experts, *w.shape[1:])
+        dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(full),
+                                stride=torch.empty(full, device="meta").stride())
+        setattr(bank, name, nn.Parameter(dt, requires_grad=w.requires_grad))
+    bank.dp_group = dp_group
 
-        return weighted_slice_loss(model, batch, mtp_weight, device, self.rank, self.world, self.mean)
 
-    def reduce_grads(self, model) -> None:
-        """Replicated weights: average over ranks. Experts: their owner already holds the sum of every rank's
-        contribution (EP's backward), which is the average times the number of ranks."""
-        for p in model.parameters():
-            if p.grad is None:
-                continue
-            if id(p) not in self._experts:
-                dist.all_reduce(p.grad)
-            p.grad.div_(self.world)
+def unpermute_experts(full: torch.Tensor, dp: int, ep: int) -> torch.Tensor:
+    """The [E, ...] global view of a bank sharded by ``shard_experts_over_dp`` (chunks by rank d*ep + r) -> the
+    true expert order (chunks by r*dp + d)."""
+    return full.reshape(dp, ep, -1, *full.shape[1:]).transpose(0, 1).reshape(full.shape)
 
-    def full_state(self, model) -> dict:
-        """Every rank's expert shards gathered back along the expert dim (collective)."""
-        state = {}
-        for name, t in model.state_dict().items():
-            if name.rsplit(".", 1)[-1] in ("w1", "w2", "w3") and ".experts." in f".{name}":
-                parts = [torch.empty_like(t) for _ in range(self.world)]
-                dist.all_gather(parts, t.contiguous())
-                t = torch.cat(parts)
-            state[name] = t
-        return state
+

@@ -6,14 +6,15 @@ same sequence cut into R segments run side by side on one device (``k3.ops.kda.c
     python benchmarks/bench_cp.py                      # H200: T 256K and 1M, H 16 and 96, D 128, R = 4..64
     python benchmarks/bench_cp.py --device cpu --shapes B1-T2048-H2-D32 --segments 2,4 --dtype fp32   # smoke run
 
-Why it can win: fla's inter-chunk state pass runs one program per (sequence, head, V block) and walks T/64 chunks in
-sequence; with B=1, H=16 that is a few dozen programs on a 132-SM GPU. R segments give R times the programs in both
-passes, for about twice the arithmetic (the summary pass carries V+K state columns, then the output pass).
+Why it could win: fla's inter-chunk state pass walks T/64 chunks in sequence with one program per (sequence, head, V
+block); R segments give R times the programs, for about twice the arithmetic (the summary pass carries V+K state
+columns, then the output pass). Measured on the H200 with fla-core 0.6.0 (benchmarks/RESULTS.md) it does not win:
+0.52-0.54x at 256K and 1M tokens, H=16, for every R from 4 to 64; fla's kernel is already parallel enough there.
 
 fla-core's own context parallelism (``fla.ops.cp.build_cp_context(cu_seqlens, group)`` and the ``cp_context``
 argument of its ``chunk_kda``) splits a sequence across the ranks of a torch.distributed process group; in one
 process the group has one rank and the call is the plain kernel, so there is no one-process comparison with it
-here. Its multi-GPU counterpart in k3 is ``k3.distributed.kcp.kcp_chunk_kda``.
+here: ``benchmarks/bench_kcp.py`` compares it with k3's KCP (``k3.distributed.kcp``) across GPUs under torchrun.
 """
 
 from __future__ import annotations

@@ -11,12 +11,14 @@ import torch
 
 
 def header() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    commit = os.environ.get("K3_COMMIT", "")  # set it where the tree is a copy whose .git may be stale
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        except OSError:
+            commit = ""
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    return {"date": datetime.date.today().isoformat(), "commit": commit or os.environ.get("K3_COMMIT", "unknown"), "machine": dev,
+    return {"date": datetime.date.today().isoformat(), "commit": commit or "unknown", "machine": dev,
             "torch": torch.__version__}
 
 

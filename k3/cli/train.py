@@ -34,12 +34,12 @@ def add_train_arguments(p, defaults: TrainConfig) -> None:
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
     p.add_argument("--kda-backend", choices=["auto", "torch", "fla"], default=d.kda_backend)
     p.add_argument("--activation-checkpointing", action="store_true", default=d.activation_checkpointing)
-    p.add_argument("--dp", type=int, default=d.dp, help="data-parallel ranks (FSDP2); run under torchrun with "
-                   "--nproc_per_node equal to it; --batch-size is per rank")
+    p.add_argument("--dp", type=int, default=d.dp, help="data-parallel ranks (FSDP2); --batch-size is per rank "
+                   "(per group of --cp ranks). Run under torchrun with --nproc_per_node = dp x cp x ep")
     p.add_argument("--cp", type=int, default=d.cp, help="context-parallel ranks (KCP): each sequence is split "
-                   "along time; run under torchrun with --nproc_per_node equal to it; needs --mtp-weight 0")
-    p.add_argument("--ep", type=int, default=d.ep, help="expert-parallel ranks (MoonEP); run under torchrun with "
-                   "--nproc_per_node equal to it; --batch-size is per rank")
+                   "along time; composes with --dp")
+    p.add_argument("--ep", type=int, default=d.ep, help="expert-parallel ranks (MoonEP): routed experts split "
+                   "over them, each rank its own slice of the batch; composes with --dp")
     p.add_argument("--stop-after", type=int, default=d.stop_after, metavar="STEP",
                    help="stop after this step with a checkpoint; run the same command again to resume")
 

@@ -202,7 +202,8 @@ def cp_model_loss(model, ids_global: torch.Tensor, cu_seqlens, start: int, end: 
     if not (len(model.mtp) and mtp_weight):  # through the root forward (what FSDP2's hooks expect)
         lm = cp_mean_loss(model(ids, cache=view)["logits"], targets, group)
         return lm, _global(lm, group), None
-    # MTP: the trunk's hidden state feeds the MTP layers (plain, unsharded modules only: --cp without --dp)
+    # MTP: the trunk's hidden state feeds the MTP layers. Under FSDP (--dp x --cp) this function runs as a registered
+    # forward method of the root (mesh.py), so the root's own weights are gathered around these calls
     h = model.model(ids, cache=view)
     lm = cp_mean_loss(model.lm_head(model.model.norm(h)), targets, group)
     T = ids_global.shape[1]

@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import cuda_time_ms, header  # noqa: E402
+from benchmarks.common import cpu_time_ms, cuda_time_ms, header, rel_rms  # noqa: E402
 from k3.ops.kda import resolve_backend  # noqa: E402
 from k3.ops.kda.cp import chunk_kda_any, intra_device_cp_kda  # noqa: E402
 
@@ -50,22 +48,6 @@ def kda_inputs(B, T, H, D, device, dtype):
     g = -5 * torch.rand(B, T, H, D, device=device)
     beta = torch.rand(B, T, H, device=device)
     return q, k, v, g, beta
-
-
-def cpu_time_ms(fn, warmup: int = 1, iters: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
-
-
-def rel_rms(ref, out):
-    ref, out = ref.float(), out.float()
-    return ((ref - out).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12)).item()
 
 
 def bench_shape(shape, segments, device, dtype, backend):

@@ -25,9 +25,7 @@ import datetime
 import json
 import os
 import socket
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import cuda_time_ms, header  # noqa: E402
+from benchmarks.common import cpu_time_ms, cuda_time_ms, header, rel_rms  # noqa: E402
 from k3.distributed.kcp import cp_chunk_kda, equal_split  # noqa: E402
 from k3.ops.kda import resolve_backend  # noqa: E402
 from k3.ops.kda.cp import chunk_kda_any  # noqa: E402
@@ -77,22 +75,6 @@ def kda_inputs(T, H, D, device, dtype=torch.bfloat16):
     g = -5 * torch.rand(1, T, H, D, device=device)
     beta = torch.rand(1, T, H, device=device)
     return [x.requires_grad_() for x in (q, k, v, g, beta)]
-
-
-def cpu_time_ms(fn, warmup: int = 1, iters: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
-
-
-def rel_rms(ref, out) -> float:
-    ref, out = ref.float(), out.float()
-    return ((ref - out).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12)).item()
 
 
 def all_max(x: float, device) -> float:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import statistics
 import subprocess
+import time
 
 import torch
 
@@ -36,3 +38,21 @@ def cuda_time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
     return sorted(times)[len(times) // 2]
+
+
+def cpu_time_ms(fn, warmup: int = 1, iters: int = 3) -> float:
+    """Median wall time of fn() in ms (CPU runs)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def rel_rms(ref, out) -> float:
+    """||out - ref|| / ||ref|| in RMS terms, in fp32."""
+    ref, out = ref.float(), out.float()
+    return ((ref - out).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12)).item()

@@ -1,27 +1,42 @@
 #!/usr/bin/env bash
-# Everything k3 runs on the H200, in one call of the device tool, cheapest-to-most-expensive, each step with its
-# own time limit so one slow step cannot eat the others. Results land in $OUT (JSON + logs).
-#   usage (device tool, carrying .whl with fla-core): bash benchmarks/gpu_session.sh [steps...]
-#   steps: tests train decode cp kda   (default: tests train decode cp); T_TESTS=300 etc. override a step's limit (s)
+# Everything k3 runs on GPUs, in one call of the device tool, each step with its own time limit so one slow step
+# cannot eat the others. Results land in $OUT, packed at the end into $OUT/gpu_session.tgz (JSON + logs) and
+# $OUT/autotune.tgz (fla's Triton autotuning results: extract into .tcache/ and carry it next time to skip it).
+#   usage (device tool, carrying .whl with fla-core, and .tcache if you have one): bash benchmarks/gpu_session.sh [steps...]
+#   one GPU:  tests train decode cp kda        (default: tests train decode cp)
+#   2+ GPUs:  nccl flacp kcp scale             (the distributed suite over NCCL, fla CP vs KCP, multi-GPU throughput)
+#   T_TESTS=300 etc. (T_<STEP>, upper case) override a step's limit in seconds.
 set -u
 OUT=${OUT:-/tmp/k3-gpu}
-mkdir -p "$OUT"
+mkdir -p "$OUT/logs"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:.
 else
   export PYTHONPATH=.
 fi
-export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache} FLA_CACHE_RESULTS=1  # autotune results kept in the cache dir
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache} FLA_CACHE_RESULTS=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 export K3_COMMIT=${K3_COMMIT:-unknown}
+mkdir -p "$TRITON_CACHE_DIR"
+[ -d .tcache ] && cp -r .tcache/. "$TRITON_CACHE_DIR"/
+L=$OUT/logs
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+TR="python3 -m torch.distributed.run --nproc_per_node"
 steps=${*:-tests train decode cp}
 for s in $steps; do
   case $s in
-    tests)  timeout ${T_TESTS:-420} python3 -m pytest -q -p no:cacheprovider -W ignore tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" ;;
-    train)  timeout ${T_TRAIN:-420} python3 benchmarks/bench_train.py --json "$OUT/bench_train.json" 2>&1 | tee "$OUT/bench_train.log" ;;
-    decode) timeout ${T_DECODE:-480} python3 benchmarks/bench_decode.py --json "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.log" ;;
-    cp)     timeout ${T_CP:-420} python3 benchmarks/bench_cp.py --json "$OUT/bench_cp.json" 2>&1 | tee "$OUT/bench_cp.log" ;;
-    kda)    timeout ${T_KDA:-420} python3 benchmarks/bench_kda.py --json "$OUT/bench_kda.json" 2>&1 | tee "$OUT/bench_kda.log" ;;
-    *) echo "unknown step $s (tests train decode cp kda)"; exit 2 ;;
+    tests)  timeout ${T_TESTS:-420} python3 -m pytest -q -p no:cacheprovider -W ignore tests/gpu/test_fla.py 2>&1 | tee "$L/gpu_tests.log" ;;
+    train)  timeout ${T_TRAIN:-420} python3 benchmarks/bench_train.py --json "$L/bench_train.json" 2>&1 | tee "$L/bench_train.log" ;;
+    decode) timeout ${T_DECODE:-480} python3 benchmarks/bench_decode.py --json "$L/bench_decode.json" 2>&1 | tee "$L/bench_decode.log" ;;
+    cp)     timeout ${T_CP:-420} python3 benchmarks/bench_cp.py --json "$L/bench_cp.json" 2>&1 | tee "$L/bench_cp.log" ;;
+    kda)    timeout ${T_KDA:-420} python3 benchmarks/bench_kda.py --json "$L/bench_kda.json" 2>&1 | tee "$L/bench_kda.log" ;;
+    nccl)   K3_TEST_BACKEND=nccl timeout ${T_NCCL:-420} python3 -m pytest -q -p no:cacheprovider -W ignore -m distributed tests/distributed 2>&1 | tee "$L/nccl_tests.log" ;;
+    flacp)  timeout ${T_FLACP:-420} python3 -m pytest -q -s -p no:cacheprovider -W ignore tests/gpu/test_fla_cp.py 2>&1 | tee "$L/fla_cp_test.log" ;;
+    kcp)    for r in 1 $NGPU; do timeout ${T_KCP:-300} $TR $r benchmarks/bench_kcp.py --json "$L/bench_kcp_r$r.json" 2>&1 | tee "$L/bench_kcp_r$r.log"; done ;;
+    scale)  timeout ${T_SCALE:-540} python3 benchmarks/bench_scale.py --gpus $NGPU --json "$L/bench_scale.json" 2>&1 | tee "$L/bench_scale.log" ;;
+    *) echo "unknown step $s (tests train decode cp kda nccl flacp kcp scale)"; exit 2 ;;
   esac
 done
+tar czf "$OUT/gpu_session.tgz" -C "$OUT" logs && rm -rf "$L"
+(cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/autotune.tgz" -T -)

@@ -76,7 +76,7 @@ def bench(cfg: K3Config, backend: str, batch: int, T: int, steps: int, device: s
     dt = (time.perf_counter() - t0) / steps
     tokens = batch * T
     return {"backend": backend, "step_s": dt, "tokens_per_s": tokens / dt,
-            "mfu": flops_per_step(cfg, batch, T) / dt / PEAK, "loss": float(loss),
+            "mfu": flops_per_step(cfg, batch, T) / dt / PEAK, "loss": float(loss.detach()),
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
 
 

@@ -37,9 +37,9 @@ def add_train_arguments(p, defaults: TrainConfig) -> None:
     p.add_argument("--dp", type=int, default=d.dp, help="data-parallel ranks (FSDP2); --batch-size is per rank "
                    "(per group of --cp ranks). Run under torchrun with --nproc_per_node = dp x cp x ep")
     p.add_argument("--cp", type=int, default=d.cp, help="context-parallel ranks (KCP): each sequence is split "
-                   "along time; composes with --dp")
+                   "along time; composes with --dp and --ep")
     p.add_argument("--ep", type=int, default=d.ep, help="expert-parallel ranks (MoonEP): routed experts split "
-                   "over them, each rank its own slice of the batch; composes with --dp")
+                   "over them, each rank its own slice of the batch; composes with --dp and --cp")
     p.add_argument("--stop-after", type=int, default=d.stop_after, metavar="STEP",
                    help="stop after this step with a checkpoint; run the same command again to resume")
 
@@ -65,12 +65,10 @@ def run(args) -> int:
     from ..distributed.data_parallel import DataParallel
 
     cfg = config_from_args(args, TrainConfig(out=args.out))
-    if cfg.ep > 1 and cfg.cp > 1:  # not composed: the loop's checks say so (and how many processes to start)
-        par = DataParallel.from_env(device=cfg.device) if DataParallel.launched() else None
-    elif cfg.ep > 1:  # --ep R alone is the mesh with dp = 1 (every rank still takes its own slice of the batch)
+    if cfg.ep > 1:  # the ("dp", "ep"[, "cp"]) mesh; --ep R alone is dp = 1 (every rank its own slice of the batch)
         from ..distributed.mesh import DataExpertParallelTraining
 
-        par = DataExpertParallelTraining(cfg.dp, cfg.ep, device=cfg.device)
+        par = DataExpertParallelTraining(cfg.dp, cfg.ep, cp=cfg.cp, device=cfg.device)
     elif cfg.cp > 1 and cfg.dp > 1:
         from ..distributed.mesh import DataContextParallelTraining
 

@@ -23,9 +23,10 @@ to z, the router through the combine weights, the projections) and a replica's w
 owner, where autograd sums them into the owner's shard. Every rank must run the backward of every forward (the
 backward holds collectives, as with DDP); the all-to-alls then run in the same order on every rank.
 
-Composed with data parallelism (``k3.distributed.mesh.DataExpertParallelTraining``, ``--dp D --ep R``): the MoonEP
-group is one "ep" row of a (dp, ep) mesh, and ``shard_experts_over_dp`` splits each rank's E/R experts once more over
-its "dp" column (all-gathered in the forward, reduce-scattered in the backward, like FSDP).
+Composed with data and context parallelism (``k3.distributed.mesh.DataExpertParallelTraining``, ``--dp D --ep R
+[--cp C]``): the MoonEP group is one "ep" row of a (dp, ep[, cp]) mesh (under CP each rank dispatches the tokens of its
+own time segment), and ``shard_experts_over_dp`` splits each rank's E/R experts once more over its column, the D*C
+ranks of the same ep index (all-gathered in the forward, reduce-scattered in the backward, like FSDP).
 
 Legend: N local tokens, k experts per token, E experts, R ranks, r this rank, m = E/R experts per rank,
 M = 2m plan entries per rank, T = sum(loads)/R rows computed per rank, L latent width, I expert intermediate,
@@ -206,7 +207,8 @@ class ExpertParallelBank(nn.Module):
         self.w1, self.w3, self.w2 = (_shard(w, r * m, (r + 1) * m) for w in (bank.w1, bank.w3, bank.w2))
         self.act, self.b1, self.b2 = bank.act, bank.b1, bank.b2
         self.num_experts, self.rank, self.world_size, self.group = E, r, R, group
-        self.dp_group = None  # set by shard_experts_over_dp: w1/w3/w2 then hold 1/D of the shard each (DTensors)
+        self.dp_group = None  # set by shard_experts_over_dp: w1/w3/w2 then hold 1/D of the shard each (DTensors),
+        # D the size of that column group (dp x cp ranks)
         self.last_step: EPStep | None = None
 
     def extra_repr(self) -> str:
@@ -284,24 +286,27 @@ def parallelize_moe(moe: LatentMoE, group=None) -> None:
 
 
 def shard_experts_over_dp(bank: ExpertParallelBank, dp_group, mesh) -> None:
-    """Shard an expert-parallel bank's E/R experts once more over ``dp_group`` (ZeRO-3 / FSDP style, as torchtitan
-    shards experts over the data-parallel ranks left beside EP), so that every parameter of the model can live on
-    ONE 1-D DeviceMesh ``mesh`` of all D*R ranks (the mesh FSDP shards the other weights over): gradient-norm
-    clipping and Muon then see DTensors of a single mesh.
+    """Shard an expert-parallel bank's E/R experts once more over ``dp_group``, the D ranks of its column (ZeRO-3 /
+    FSDP style, as torchtitan shards experts over the data-parallel ranks left beside EP; with context parallelism
+    the column is the dp x cp ranks of one ep index), so that every parameter of the model can live on ONE 1-D
+    DeviceMesh ``mesh`` of all D*R ranks (the mesh FSDP shards the other weights over): gradient-norm clipping and
+    Muon then see DTensors of a single mesh.
 
-    Ranks are laid out as rank = dp_index * R + ep_index (``mesh`` in rank order). Rank (d, r) keeps experts
-    [r*m + d*c, r*m + (d+1)*c) of the E, c = E/(D*R), as a DTensor Shard(0) of a [E, ...] bank on ``mesh``; the
-    DTensor's global view therefore lists the experts in the order of the chunks (d, r) by rank, a permutation of
-    the true order (``unpermute_experts`` undoes it). Muon orthogonalises each expert on its own and AdamW/weight
-    decay are elementwise, so the permutation changes no update. The forward all-gathers the D chunks of the
-    shard over ``dp_group`` (group-rank order is d) before MoonEP's dispatch; the backward reduce-scatters."""
+    Ranks are laid out as rank = d * R + ep_index (``mesh`` in rank order), d the rank's index in ``dp_group`` (with
+    context parallelism d = dp_index * C + cp_index and rank = (dp_index * R + ep_index) * C + cp_index: the same
+    layout). Rank (d, r) keeps experts [r*m + d*c, r*m + (d+1)*c) of the E, c = E/(D*R), as a DTensor Shard(0) of a
+    [E, ...] bank on ``mesh``; the DTensor's global view therefore lists the experts in the order of the chunks
+    (d, r) by rank, a permutation of the true order (``unpermute_experts`` undoes it). Muon orthogonalises each
+    expert on its own and AdamW/weight decay are elementwise, so the permutation changes no update. The forward
+    all-gathers the D chunks of the shard over ``dp_group`` (group-rank order is d) before MoonEP's dispatch; the
+    backward reduce-scatters (sums over the D ranks)."""
     from torch.distributed.tensor import DTensor, Shard
 
     D = dist.get_world_size(dp_group)
     m = bank.w1.shape[0]
     if m % D:
-        raise ValueError(f"--dp x --ep shards each expert-parallel rank's E/R = {m} experts over the {D} data-parallel "
-                         f"ranks: choose dp dividing E/ep (E = {bank.num_experts})")
+        raise ValueError(f"--ep shards each expert-parallel rank's E/ep = {m} experts over the {D} ranks of its column "
+                         f"(dp x cp): choose dp x cp dividing E/ep (E = {bank.num_experts})")
     c, d = m // D, dist.get_rank(dp_group)
     for name in ("w1", "w3", "w2"):
         w = getattr(bank, name)
@@ -315,7 +320,7 @@ def shard_experts_over_dp(bank: ExpertParallelBank, dp_group, mesh) -> None:
 
 def unpermute_experts(full: torch.Tensor, dp: int, ep: int) -> torch.Tensor:
     """The [E, ...] global view of a bank sharded by ``shard_experts_over_dp`` (chunks by rank d*ep + r) -> the
-    true expert order (chunks by r*dp + d)."""
+    true expert order (chunks by r*dp + d). With context parallelism (C cp ranks, chunks by rank
+    (d*ep + r)*C + c, true order (r*dp + d)*C + c) the same call applies: the C chunks of a (d, r) pair are
+    adjacent in both orders and move together."""
     return full.reshape(dp, ep, -1, *full.shape[1:]).transpose(0, 1).reshape(full.shape)
-
-

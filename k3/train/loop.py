@@ -172,8 +172,6 @@ def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
     if world != cfg.dp * cfg.cp * cfg.ep:
         raise ValueError(f"--dp {cfg.dp} x --cp {cfg.cp} x --ep {cfg.ep} ranks but {world} process(es) are running: "
                          f"start them under `torchrun --nproc_per_node N -m k3 train ...` with N = dp x cp x ep")
-    if cfg.ep > 1 and cfg.cp > 1:
-        raise ValueError("--ep is not composed with --cp yet: use --ep alone, --dp D --ep E, or --dp D --cp C")
     if rank == 0:
         run.mkdir(parents=True, exist_ok=True)
     par.barrier()

@@ -136,13 +136,3 @@ def test_dp_x_ep_refuses_a_mismatched_process_count(tmp_path):
                        + ["--out", str(tmp_path / "y")], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode != 0 and "needs 4 processes, 2 are running" in r.stdout + r.stderr, r.stderr[-2000:]
 
-
-def test_ep_with_cp_is_refused_clearly(tmp_path):
-    """The one combination not composed: the loop says so before any work."""
-    from types import SimpleNamespace
-
-    from k3.train.loop import TrainConfig, train
-
-    par = SimpleNamespace(rank=0, world=4, device=torch.device("cpu"))
-    with pytest.raises(ValueError, match="--ep is not composed with --cp yet"):
-        train(TrainConfig(out=str(tmp_path / "x"), ep=2, cp=2), log=lambda *a: None, parallel=par)

@@ -1,0 +1,115 @@
+"""`--ep E --cp C` (and `--dp D --ep E --cp C`) on a ("dp", "ep", "cp") mesh (k3.distributed.mesh.DataExpertParallelTraining
+with cp > 1) against one process.
+
+(1) in-process, 4 gloo ranks (ep 2 x cp 2, dp 1), the tiny model with its MTP layer, packed documents crossing the cp
+cut of both slices: the logged lm and MTP losses, every parameter gradient after ``reduce_grads`` (gathered to full
+tensors, experts put back in their true order), the global gradient norm the loop clips with, and the checkpoint's
+full state equal one process's on the same global batch (two steps: FSDP's forward-method state is reset);
+(2) ``torchrun --nproc_per_node 4 -m k3 train --ep 2 --cp 2`` reproduces the single-process loss curve at the same
+global batch and saves the same checkpoint.
+
+The cp ranks' losses are parts of one slice's loss while FSDP averages over all ranks (the cp ones included), so a
+missing factor C would halve every non-expert gradient: (1) compares the gradients themselves, (2) the logged norm.
+"""
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from .gloo import needs_backend, spawn, test_device
+from .runs import ARGS, LOAD_ATOL, LOSS_RTOL, ONE, WEIGHT_ATOL, torchrun, train_run as _run
+from .test_mesh_ep import full, reference
+from .test_mesh_mtp import global_batch
+from tests.conftest import assert_close
+
+TOL = 1e-5
+
+
+def _check_gradients(rank, world):
+    from k3.distributed.expert_parallel import ExpertParallelBank, unpermute_experts
+    from k3.distributed.mesh import DataExpertParallelTraining
+
+    os.environ["WORLD_SIZE"] = str(world)  # init_from_env reads it; the process group is already up
+    batch, w = global_batch(), 0.3  # 2 slices (one per ep rank) of 64 tokens, documents crossing both cp cuts
+    model, ref, ref_grads = reference(batch, w)
+    assert len(model.mtp) == 1
+    untouched = copy.deepcopy(model)
+    par = DataExpertParallelTraining(1, 2, cp=2)
+    assert par.mesh.mesh_dim_names == ("dp", "ep", "cp")
+    assert par.mesh["ep"].get_local_rank() == rank // 2 and par.mesh["cp"].get_local_rank() == rank % 2
+    par.shard(model)
+    banks = [m for m in model.modules() if isinstance(m, ExpertParallelBank)]
+    assert banks and all(b.w1.to_local().shape[0] == b.num_experts // world for b in banks)  # E/(ep*cp) per rank
+    for step in (1, 2):
+        model.zero_grad(set_to_none=True)
+        loss, lm, mtp, n = par.loss(model, batch, w, test_device(rank))
+        loss.backward()
+        par.reduce_grads(model)
+        assert n == batch["input_ids"].numel()
+        assert lm == pytest.approx(ref["lm_loss"].item(), rel=1e-6)
+        assert mtp == pytest.approx(ref["mtp_loss"].item(), rel=1e-6)
+        grads = {}
+        for name, p in model.named_parameters():
+            if p.grad is not None:
+                g = full(p.grad)  # collective: the same order on every rank
+                grads[name] = unpermute_experts(g, 1, 2) if name in par._experts else g
+        assert set(grads) == set(ref_grads) and len(par._experts) == 3 * len(banks)
+        assert any(k.startswith("mtp.") for k in grads)
+        for name, g in grads.items():
+            assert_close(f"rank {rank} step {step} grad {name}", ref_grads[name], g, TOL)
+        # the loop clips with torch.nn.utils.clip_grad_norm_(model.parameters()): one mesh, so the global norm
+        norm = full(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]))
+        assert float(norm) == pytest.approx(float(torch.nn.utils.get_total_norm(list(ref_grads.values()))), rel=1e-6)
+    # the checkpoint's full state: the single-process names, shapes and (untrained) values
+    state, ref_state = par.full_state(model), untouched.state_dict()
+    assert set(state) == set(ref_state)
+    for k, v in ref_state.items():
+        assert state[k].shape == v.shape and torch.equal(state[k], v), k
+
+
+@pytest.mark.distributed
+@needs_backend(4)
+def test_ep2_x_cp2_with_mtp_gradients_equal_one_process(tmp_path):
+    spawn(_check_gradients, 4, tmp_path)
+
+
+@pytest.mark.distributed
+@needs_backend(4)
+def test_ep2_x_cp2_reproduces_the_single_process_loss_curve_and_checkpoint(tmp_path):
+    """4 processes: each ep rank its slice of the global batch, split along time over its cp pair (trunk and MTP
+    layer); experts over "ep" (MoonEP) and then over the cp pair, the other weights FSDP2-sharded over all 4."""
+    single = _run(ONE + ["--batch-size", "4"], tmp_path / "one")
+    mesh = _run(torchrun(4) + ["--batch-size", "2", "--ep", "2", "--cp", "2"], tmp_path / "mesh")
+    assert [r["step"] for r in mesh] == [1, 2, 3, 4]
+    for a, b in zip(single, mesh):
+        assert "mtp_loss" in a and "mtp_loss" in b
+        for key in ("loss", "mtp_loss", "grad_norm"):  # stated tolerance 1e-5 relative
+            assert abs(a[key] - b[key]) < LOSS_RTOL * a[key], (key, a, b)
+        if "val_loss" in a:
+            assert b["val_loss"] == pytest.approx(a["val_loss"], rel=LOSS_RTOL)
+        # Quantile Balancing's histogram all-reduce over the world: every token of the global batch exactly once
+        assert abs(a["load_max_over_mean"] - b["load_max_over_mean"]) <= LOAD_ATOL, (a, b)
+        if not LOAD_ATOL:
+            assert a["load_per_layer"] == b["load_per_layer"]
+        assert a["tokens"] == b["tokens"]
+    ck = tmp_path / "mesh" / "checkpoint"
+    assert all((ck / f"optimizer.rank{r}.pt").exists() for r in range(4))
+    from safetensors.torch import load_file
+
+    ref, got = load_file(tmp_path / "one" / "checkpoint" / "model.safetensors"), load_file(ck / "model.safetensors")
+    assert set(got) == set(ref)  # official names, experts gathered back to one tensor per expert
+    assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in ref.items()}
+    worst = max((got[k].float() - v.float()).abs().max().item() for k, v in ref.items())
+    assert worst < WEIGHT_ATOL  # every weight and router bias after 4 steps
+
+
+@pytest.mark.distributed
+def test_ep_x_cp_refuses_a_mismatched_process_count(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "k3", "train", "--ep", "2", "--cp", "2"] + ARGS
+                       + ["--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "--dp 1 x --ep 2 x --cp 2 needs 4 processes, 1 are running" in r.stderr, r.stderr[-2000:]
+    assert "torchrun --nproc_per_node 4" in r.stderr

@@ -38,3 +38,33 @@ def train_run(cmd, out) -> list[dict]:
     r = subprocess.run(cmd + ARGS + ["--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_curves_match(single: list[dict], multi: list[dict], keys=("loss", "mtp_loss", "grad_norm")) -> None:
+    """The multi-process run's logged curve equals the single-process one at the same global batch: ``keys``
+    within LOSS_RTOL, val_loss too, Quantile Balancing's loads (the histogram all-reduce pools the global batch)
+    within LOAD_ATOL (exactly, per layer, on CPU), the same token counts."""
+    assert [r["step"] for r in multi] == [r["step"] for r in single]
+    for a, b in zip(single, multi):
+        for key in keys:
+            assert abs(a[key] - b[key]) < LOSS_RTOL * a[key], (key, a, b)
+        if "val_loss" in a:
+            assert abs(a["val_loss"] - b["val_loss"]) < LOSS_RTOL * a["val_loss"], (a, b)
+        assert abs(a["load_max_over_mean"] - b["load_max_over_mean"]) <= LOAD_ATOL, (a, b)
+        if not LOAD_ATOL:
+            assert a["load_per_layer"] == b["load_per_layer"]
+        assert a["tokens"] == b["tokens"]
+
+
+def assert_same_checkpoint(one, multi, ranks: int) -> float:
+    """``multi``'s checkpoint (one optimiser shard per rank) holds the single-process names and shapes (experts
+    gathered back to one tensor) and weights within WEIGHT_ATOL of ``one``'s; returns the worst difference."""
+    from safetensors.torch import load_file
+
+    assert all((multi / f"optimizer.rank{r}.pt").exists() for r in range(ranks))
+    ref, got = load_file(one / "model.safetensors"), load_file(multi / "model.safetensors")
+    assert set(got) == set(ref)  # official names
+    assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in ref.items()}
+    worst = max((got[k].float() - v.float()).abs().max().item() for k, v in ref.items())
+    assert worst < WEIGHT_ATOL, worst  # every weight and router bias
+    return worst

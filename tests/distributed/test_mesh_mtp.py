@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from .gloo import needs_backend, spawn, test_device
-from .runs import LOAD_ATOL, LOSS_RTOL, ONE, torchrun, train_run as _run
+from .runs import ONE, assert_curves_match, torchrun, train_run as _run
 from .test_mesh_ep import VOCAB, full, reference
 from tests.conftest import assert_close
 
@@ -74,11 +74,5 @@ def test_dp2_x_cp2_with_mtp_reproduces_the_single_process_loss_curve(tmp_path):
     sequences split along time over "cp" (trunk and MTP layer)."""
     single = _run(ONE + ["--batch-size", "4"], tmp_path / "one")
     mesh = _run(torchrun(4) + ["--batch-size", "2", "--dp", "2", "--cp", "2"], tmp_path / "mesh")
-    assert [r["step"] for r in mesh] == [1, 2, 3, 4]
-    for a, b in zip(single, mesh):
-        assert "mtp_loss" in a and "mtp_loss" in b
-        for key in ("loss", "mtp_loss", "grad_norm"):  # stated tolerance 1e-5 relative (measured <= 2e-7)
-            assert abs(a[key] - b[key]) < LOSS_RTOL * a[key], (key, a, b)
-        if "val_loss" in a:
-            assert b["val_loss"] == pytest.approx(a["val_loss"], rel=LOSS_RTOL)
-        assert abs(a["load_max_over_mean"] - b["load_max_over_mean"]) <= LOAD_ATOL and a["tokens"] == b["tokens"]
+    assert all("mtp_loss" in r for r in single + mesh)
+    assert_curves_match(single, mesh)  # stated tolerance 1e-5 relative on CPU (measured <= 2e-7)

@@ -19,6 +19,7 @@ import torch
 
 from .gloo import needs_backend, spawn, test_device
 from .runs import ARGS, ONE, assert_curves_match, assert_same_checkpoint, torchrun, train_run as _run
+from k3.distributed.expert_parallel import unpermute_experts
 from tests.conftest import assert_close
 
 VOCAB, SLICE, TOL = 128, 40, 1e-5
@@ -51,7 +52,7 @@ def full(t):
 
 
 def _check_gradients(rank, world):
-    from k3.distributed.expert_parallel import ExpertParallelBank, unpermute_experts
+    from k3.distributed.expert_parallel import ExpertParallelBank
     from k3.distributed.mesh import DataExpertParallelTraining
 
     os.environ["WORLD_SIZE"] = str(world)  # init_from_env reads it; the process group is already up
@@ -64,6 +65,16 @@ def _check_gradients(rank, world):
     par.shard(model)
     banks = [m for m in model.modules() if isinstance(m, ExpertParallelBank)]
     assert banks and all(b.w1.to_local().shape[0] == b.num_experts // world for b in banks)  # E/(dp*ep) per rank
+    assert len(par._experts) == 3 * len(banks)  # w1, w3, w2 of every bank
+    compare_gradients(par, model, batch, w, ref, ref_grads, rank, dp=2, ep=2)
+    compare_full_state(par, model, untouched)
+
+
+def compare_gradients(par, model, batch, w, ref, ref_grads, rank, dp, ep, tag=""):
+    """One loss and backward through ``par``: the logged losses, every parameter's gradient after
+    ``reduce_grads`` (gathered to full, experts put back in their true order) and the global norm the loop clips
+    with equal one process's on the same global batch."""
+    model.zero_grad(set_to_none=True)
     loss, lm, mtp, n = par.loss(model, batch, w, test_device(rank))
     loss.backward()
     par.reduce_grads(model)
@@ -73,15 +84,19 @@ def _check_gradients(rank, world):
     for name, p in model.named_parameters():
         if p.grad is not None:
             g = full(p.grad)  # collective: the same order on every rank
-            grads[name] = unpermute_experts(g, 2, 2) if name in par._experts else g
-    assert set(grads) == set(ref_grads) and len(par._experts) == 3 * len(banks)
+            grads[name] = unpermute_experts(g, dp, ep) if name in par._experts else g
+    assert set(grads) == set(ref_grads)
     for name, g in grads.items():
-        assert_close(f"rank {rank} grad {name}", ref_grads[name], g, TOL)
+        assert_close(f"rank {rank}{tag} grad {name}", ref_grads[name], g, TOL)
     # the loop clips with torch.nn.utils.clip_grad_norm_(model.parameters()): one mesh, so the global norm
     norm = full(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]))
     ref_norm = torch.nn.utils.get_total_norm(list(ref_grads.values()))
     assert float(norm) == pytest.approx(float(ref_norm), rel=1e-6)
-    # the checkpoint's full state: the single-process names, shapes and (untrained) values
+    return grads
+
+
+def compare_full_state(par, model, untouched) -> None:
+    """The checkpoint's full state: the single-process names, shapes and (untrained) values."""
     state, ref_state = par.full_state(model), untouched.state_dict()
     assert set(state) == set(ref_state)
     for k, v in ref_state.items():

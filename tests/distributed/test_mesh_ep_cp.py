@@ -18,19 +18,17 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from .gloo import needs_backend, spawn, test_device
+from .gloo import needs_backend, spawn
 from .runs import ARGS, ONE, assert_curves_match, assert_same_checkpoint, torchrun, train_run as _run
-from .test_mesh_ep import full, reference
+from .test_mesh_ep import compare_full_state, compare_gradients, reference
 from .test_mesh_mtp import global_batch
-from tests.conftest import assert_close
 
 TOL = 1e-5
 
 
 def _check_gradients(rank, world):
-    from k3.distributed.expert_parallel import ExpertParallelBank, unpermute_experts
+    from k3.distributed.expert_parallel import ExpertParallelBank
     from k3.distributed.mesh import DataExpertParallelTraining
 
     os.environ["WORLD_SIZE"] = str(world)  # init_from_env reads it; the process group is already up
@@ -44,31 +42,11 @@ def _check_gradients(rank, world):
     par.shard(model)
     banks = [m for m in model.modules() if isinstance(m, ExpertParallelBank)]
     assert banks and all(b.w1.to_local().shape[0] == b.num_experts // world for b in banks)  # E/(ep*cp) per rank
-    for step in (1, 2):
-        model.zero_grad(set_to_none=True)
-        loss, lm, mtp, n = par.loss(model, batch, w, test_device(rank))
-        loss.backward()
-        par.reduce_grads(model)
-        assert n == batch["input_ids"].numel()
-        assert lm == pytest.approx(ref["lm_loss"].item(), rel=1e-6)
-        assert mtp == pytest.approx(ref["mtp_loss"].item(), rel=1e-6)
-        grads = {}
-        for name, p in model.named_parameters():
-            if p.grad is not None:
-                g = full(p.grad)  # collective: the same order on every rank
-                grads[name] = unpermute_experts(g, 1, 2) if name in par._experts else g
-        assert set(grads) == set(ref_grads) and len(par._experts) == 3 * len(banks)
+    assert len(par._experts) == 3 * len(banks)  # w1, w3, w2 of every bank
+    for step in (1, 2):  # twice: nothing left over from the first backward
+        grads = compare_gradients(par, model, batch, w, ref, ref_grads, rank, dp=1, ep=2, tag=f" step {step}")
         assert any(k.startswith("mtp.") for k in grads)
-        for name, g in grads.items():
-            assert_close(f"rank {rank} step {step} grad {name}", ref_grads[name], g, TOL)
-        # the loop clips with torch.nn.utils.clip_grad_norm_(model.parameters()): one mesh, so the global norm
-        norm = full(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]))
-        assert float(norm) == pytest.approx(float(torch.nn.utils.get_total_norm(list(ref_grads.values()))), rel=1e-6)
-    # the checkpoint's full state: the single-process names, shapes and (untrained) values
-    state, ref_state = par.full_state(model), untouched.state_dict()
-    assert set(state) == set(ref_state)
-    for k, v in ref_state.items():
-        assert state[k].shape == v.shape and torch.equal(state[k], v), k
+    compare_full_state(par, model, untouched)
 
 
 @pytest.mark.distributed

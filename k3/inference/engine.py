@@ -230,15 +230,11 @@ class Engine:
         S = int(ctx.max())
         kda_in, mla_in = {}, {}
         if L.n_kda:
-            per = [self.pool.read_kda(s.kda_pages) for s in seqs]
-            states = torch.stack([p[0] for p in per], 1)  # [n_kda,B,H,K,K]
-            conv = torch.stack([p[1] for p in per], 2)  # [n_kda,3,B,HK,W-1]
+            states, conv = self.pool.read_kda_batch([s.kda_pages for s in seqs])  # [n_kda,B,H,K,K], [n_kda,3,B,HK,W-1]
             for i, slot in self.kda_slot.items():
                 kda_in[i] = KDAState(states[slot], conv[slot, 0], conv[slot, 1], conv[slot, 2])
         if L.n_mla:
-            lat = torch.zeros(B, S, L.n_mla, L.latent, dtype=L.dtype, device=dev)
-            for b, s in enumerate(seqs):
-                lat[b, : s.num_cached] = self.pool.read_mla(s.mla_pages, s.num_cached)
+            lat = self.pool.read_mla_batch([s.mla_pages for s in seqs], [s.num_cached for s in seqs], S)
             R = self.model.config.kv_lora_rank
             for i, slot in self.mla_slot.items():
                 mla_in[i] = (lat[:, :, slot, :R], lat[:, :, slot, R:])
@@ -248,12 +244,14 @@ class Engine:
             st = torch.stack([cache.kda_out[i].recurrent for i in self.kda_slot], 0)  # [n_kda,B,H,K,K]
             cv = torch.stack([torch.stack([cache.kda_out[i].conv_q, cache.kda_out[i].conv_k, cache.kda_out[i].conv_v])
                               for i in self.kda_slot], 0)  # [n_kda,3,B,HK,W-1]
-            for b, s in enumerate(seqs):
-                self.pool.write_kda(s.kda_pages, st[:, b], cv[:, :, b])
+            self.pool.write_kda_batch([s.kda_pages for s in seqs], st, cv)
         if L.n_mla:
             new_lat = torch.stack([torch.cat(cache.mla_new[i], dim=-1) for i in self.mla_slot], 2)  # [B,T,n_mla,lat]
-            for b, s in enumerate(seqs):
-                self.pool.write_mla(s.mla_pages, s.num_cached, new_lat[b])
+            if T == 1:  # a decode step: one token per sequence, one scatter
+                self.pool.write_mla_tokens([s.mla_pages for s in seqs], [s.num_cached for s in seqs], new_lat[:, 0])
+            else:
+                for b, s in enumerate(seqs):
+                    self.pool.write_mla(s.mla_pages, s.num_cached, new_lat[b])
         for s in seqs:
             s.num_cached += T
         return logits
@@ -272,9 +270,9 @@ class Engine:
     def _decode(self, seqs: list[_Seq]) -> None:
         ids = torch.tensor([[s.tokens[-1]] for s in seqs])
         logits = self._forward(seqs, ids)
-        for b, s in enumerate(seqs):
+        for s in seqs:
             self._remember(s)
-            self._emit(s, logits[b, -1])
+        self._emit_batch(seqs, logits[:, -1])
 
     def _remember(self, seq: _Seq) -> None:
         """Publish the sequence's computed fine blocks and, at a checkpoint boundary, a copy of its KDA state."""
@@ -293,9 +291,17 @@ class Engine:
 
     # ---- sampling and events ------------------------------------------------------------------------------
     def _emit(self, seq: _Seq, logits: torch.Tensor) -> None:
+        self._emit_batch([seq], logits[None])
+
+    def _emit_batch(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
+        """Sample the next token of every sequence from logits [B, V] in one call (each row with its own
+        parameters and generator), bring the tokens to the host once, then deliver them one by one."""
+        tok, lp, top = sample(logits.float(), [s.req.params for s in seqs], [s.gen for s in seqs])
+        for seq, t, logprob, top_i in zip(seqs, tok.tolist(), lp.tolist(), top):
+            self._deliver(seq, t, logprob, top_i)
+
+    def _deliver(self, seq: _Seq, t: int, logprob: float, top) -> None:
         p = seq.req.params
-        tok, lp, top = sample(logits[None].float(), [p], [seq.gen])
-        t = int(tok[0])
         is_eos = t == self.eos
         delta = ""
         if not is_eos:
@@ -309,7 +315,7 @@ class Engine:
             text += more if stopped else more + seq.stop.flush()
         seq.text += text
         if not is_eos or text:  # EOS itself is no output; its event only carries text held back until now
-            seq.handle.events.put(TokenEvent(t, text, float(lp[0]), tuple((int(i), float(v)) for i, v in top[0])))
+            seq.handle.events.put(TokenEvent(t, text, logprob, tuple((int(i), float(v)) for i, v in top)))
         if final:
             self._finish(seq, "stop" if stopped or is_eos else "length")
 

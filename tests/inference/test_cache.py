@@ -51,6 +51,38 @@ def test_mla_and_kda_round_trip_through_bytes():
     torch.testing.assert_close(c2, cv)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_access_equals_the_per_request_calls(dtype):
+    """The engine's one-gather / one-scatter accessors against read_mla/write_mla/read_kda/write_kda, request by
+    request; bytes past a request's length (here NaN patterns) never reach the batched read."""
+    lay = CacheLayout(n_mla=2, latent=6, n_kda=3, kda_heads=2, kda_dim=4, conv_width=4, page_tokens=8, dtype=dtype)
+    pool = BlockPool(lay, 40)
+    pool.data.fill_(255)  # every float read from an unwritten byte is NaN
+    torch.manual_seed(0)
+    lengths = [19, 0, 8, 3]
+    mla = [pool.alloc(lay.mla_pages(20)) for _ in lengths]  # room for one more token each
+    xs = [torch.randn(n, 2, 6).to(dtype) for n in lengths]
+    for pages, x in zip(mla, xs):
+        pool.write_mla(pages, 0, x)
+    S = max(lengths)
+    lat = pool.read_mla_batch(mla, lengths, S)
+    assert lat.shape == (4, S, 2, 6) and not lat.isnan().any()
+    for b, n in enumerate(lengths):
+        assert torch.equal(lat[b, :n], pool.read_mla(mla[b], n)) and not lat[b, n:].any()
+    new = torch.randn(4, 2, 6).to(dtype)  # a decode step: one token per request at position lengths[b]
+    pool.write_mla_tokens(mla, lengths, new)
+    for b, n in enumerate(lengths):
+        assert torch.equal(pool.read_mla(mla[b], n + 1), torch.cat([xs[b], new[b:b + 1]]))
+    kda = [pool.alloc(lay.kda_pages) for _ in lengths]
+    st, cv = torch.randn(3, 4, 2, 4, 4), torch.randn(3, 3, 4, 8, 3).to(dtype)  # [n_kda,B,...], [n_kda,3,B,...]
+    pool.write_kda_batch(kda, st, cv)
+    for b in range(4):
+        s1, c1 = pool.read_kda(kda[b])
+        assert torch.equal(s1, st[:, b]) and torch.equal(c1, cv[:, :, b])
+    s2, c2 = pool.read_kda_batch(kda)
+    assert torch.equal(s2, st) and torch.equal(c2, cv)
+
+
 def test_prefix_lookup_needs_blocks_and_a_checkpoint_and_copies_on_write():
     pool = BlockPool(LAY, 32)
     pc = PrefixCache(pool, hash_block=4, checkpoint_every=1)

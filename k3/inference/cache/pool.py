@@ -117,6 +117,52 @@ class BlockPool:
             view[off: off + n] = x[t: t + n]
             t += n
 
+    # ---- batched access: one gather / one scatter for a whole decode batch -----------------------------------
+    def _index(self, pages) -> torch.Tensor:
+        return torch.as_tensor(pages, dtype=torch.long, device=self.data.device)
+
+    def read_mla_batch(self, page_lists, lengths, S: int) -> torch.Tensor:
+        """[B, S, n_mla, R + Dr]: row b holds the latents of the first lengths[b] tokens of page_lists[b], zeros
+        after them (one gather; what lies in a page past a sequence's length never reaches the result)."""
+        L, B = self.layout, len(page_lists)
+        if S == 0:
+            return torch.zeros(B, 0, L.n_mla, L.latent, dtype=L.dtype, device=self.data.device)
+        P = L.mla_pages(S)
+        idx = [list(pages[:P]) + [0] * (P - len(pages[:P])) for pages in page_lists]  # page 0 pads: masked below
+        raw = self.data[self._index(idx).view(-1)].view(L.dtype).view(B, P * L.page_tokens, L.n_mla, L.latent)[:, :S]
+        keep = torch.arange(S, device=self.data.device)[None, :] < self._index(lengths)[:, None]  # [B,S]
+        return torch.where(keep[:, :, None, None], raw, raw.new_zeros(()))
+
+    def write_mla_tokens(self, page_lists, positions, x: torch.Tensor) -> None:
+        """Write x [B, n_mla, R + Dr], row b at token position positions[b] of page_lists[b] (one scatter)."""
+        L = self.layout
+        row, per_page = L.n_mla * L.latent, L.page_bytes // L.itemsize
+        base = [pages[pos // L.page_tokens] * per_page + (pos % L.page_tokens) * row
+                for pages, pos in zip(page_lists, positions)]
+        idx = self._index(base)[:, None] + torch.arange(row, device=self.data.device)  # [B, row] element offsets
+        flat = self.data.view(-1).view(L.dtype)
+        flat[idx.view(-1)] = x.to(device=flat.device, dtype=L.dtype).reshape(-1)
+
+    def read_kda_batch(self, page_lists) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (states [n_kda, B, H, K, K] fp32, conv [n_kda, 3, B, H*K, W-1]) of B requests (one gather)."""
+        L, B = self.layout, len(page_lists)
+        raw = self.data[self._index(page_lists).view(-1)].view(B, -1)  # [B, kda_pages * page_bytes]
+        sb, cb = 4 * L.n_kda * L.state_numel, L.itemsize * L.n_kda * L.conv_numel
+        states = raw[:, :sb].contiguous().view(torch.float32).view(B, L.n_kda, L.kda_heads, L.kda_dim, L.kda_dim)
+        conv = raw[:, sb: sb + cb].contiguous().view(L.dtype).view(B, L.n_kda, 3, L.kda_heads * L.kda_dim,
+                                                                    L.conv_width - 1)
+        return states.transpose(0, 1), conv.permute(1, 2, 0, 3, 4)
+
+    def write_kda_batch(self, page_lists, states: torch.Tensor, conv: torch.Tensor) -> None:
+        """states [n_kda, B, H, K, K], conv [n_kda, 3, B, H*K, W-1] -> the B requests' pages (one scatter)."""
+        L, B = self.layout, len(page_lists)
+        dev = self.data.device
+        st = states.to(device=dev, dtype=torch.float32).transpose(0, 1).contiguous().view(B, -1).view(torch.uint8)
+        cv = conv.to(device=dev, dtype=L.dtype).permute(2, 0, 1, 3, 4).contiguous().view(B, -1).view(torch.uint8)
+        width = L.kda_pages * L.page_bytes
+        blob = torch.cat([st, cv, st.new_zeros(B, width - st.shape[1] - cv.shape[1])], dim=1)
+        self.data[self._index(page_lists).view(-1)] = blob.view(B * L.kda_pages, L.page_bytes)
+
     def copy_page(self, src: int, dst: int) -> None:
         self.data[dst] = self.data[src]
 

@@ -53,7 +53,7 @@ def bench(cfg: K3Config, backend: str, batch: int, T: int, steps: int, device: s
 
     def step():
         with amp:
-            out = model(ids, cu_seqlens=cu, labels=ids)
+            out = model(ids, cu_seqlens=cu, labels=ids, return_logits=False)
         out["loss"].backward()
         bal.observe()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

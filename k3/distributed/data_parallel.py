@@ -172,7 +172,7 @@ def weighted_slice_loss(model, batch, mtp_weight, device, rank, world, mean):
     """The loss of this rank's slice, each term weighted by its share of the global predictions."""
     ids, cu, shares = rank_slice(batch, rank, world)
     ids, cu = ids.to(device), cu.to(device)
-    out = model(ids, cu_seqlens=cu, labels=ids, mtp_weight=mtp_weight)
+    out = model(ids, cu_seqlens=cu, labels=ids, mtp_weight=mtp_weight, return_logits=False)
     loss = out["lm_loss"] * shares[1]
     mtp = None
     if "mtp_loss" in out:

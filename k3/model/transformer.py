@@ -89,20 +89,36 @@ class K3ForCausalLM(nn.Module):
                 m.backend = backend
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, mtp_weight: float = 0.3, cache=None) -> dict:
+                labels: torch.Tensor | None = None, mtp_weight: float = 0.3, cache=None,
+                return_logits: bool = True, loss_chunk: int = 4096) -> dict:
         """Returns {"logits" [B,T,V]} and, with ``labels`` (same layout as input_ids, shifted inside;
         -100 = ignore), "loss" = next-token CE (+ mtp_weight * "mtp_loss" when the config has MTP layers).
-        With ``cu_seqlens`` (B = 1, packed documents) no position predicts across a document boundary."""
+        With ``cu_seqlens`` (B = 1, packed documents) no position predicts across a document boundary.
+
+        ``return_logits=False`` (training): the losses only, computed ``loss_chunk`` tokens at a time with the head
+        recomputed in the backward, so no [B,T,V] logits (nor their fp32 copy and gradient) are ever held whole;
+        the loss and every gradient equal the unchunked ones up to float summation order."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B,T]; got shape {tuple(input_ids.shape)}")
         if cu_seqlens is not None and input_ids.shape[0] != 1:
             raise ValueError("packed documents (cu_seqlens) need input_ids of batch 1: [1, total_tokens]")
+        if not return_logits and labels is None:
+            raise ValueError("return_logits=False returns only losses: pass labels")
+        if loss_chunk < 1:
+            raise ValueError(f"loss_chunk must be >= 1; got {loss_chunk}")
         h = self.model(input_ids, cu_seqlens, cache)
-        logits = self.lm_head(self.model.norm(h))
-        out = {"logits": logits}
+        out = {}
+        if return_logits:
+            out["logits"] = self.lm_head(self.model.norm(h))
         if labels is None:
             return out
-        loss = _shifted_ce(logits, labels, 1, cu_seqlens)
+
+        def head_ce(hidden, shift):  # next-token CE of head(hidden), from the logits or chunk by chunk
+            if return_logits:
+                return _shifted_ce(out["logits"] if shift == 1 else self.lm_head(hidden), labels, shift, cu_seqlens)
+            return _chunked_head_ce(self.lm_head, hidden, _shifted_targets(labels, shift, cu_seqlens), loss_chunk)
+
+        loss = head_ce(None if return_logits else self.model.norm(h), 1)
         out["lm_loss"] = loss
         if len(self.mtp) and mtp_weight:  # MTP layers run only when their loss counts
             mtp_losses = []
@@ -113,16 +129,16 @@ class K3ForCausalLM(nn.Module):
                 nxt = torch.where(same_document(input_ids.shape[1], k, cu_seqlens, input_ids.device),
                                   torch.roll(input_ids, -k, dims=1), input_ids)
                 h = layer(h, self.model.embed_tokens(nxt), cu_seqlens)
-                mtp_losses.append(_shifted_ce(self.lm_head(h), labels, 1 + k, cu_seqlens))
+                mtp_losses.append(head_ce(h, 1 + k))
             out["mtp_loss"] = torch.stack(mtp_losses).mean()
             loss = loss + mtp_weight * out["mtp_loss"]
         out["loss"] = loss
         return out
 
 
-def _shifted_ce(logits, labels, shift: int, cu_seqlens) -> torch.Tensor:
-    """Cross-entropy of logits at t against labels at t + shift, never across a document boundary."""
-    B, T, V = logits.shape
+def _shifted_targets(labels, shift: int, cu_seqlens) -> torch.Tensor:
+    """[B,T] targets of every position t: labels at t + shift, or -100 past the end or across a document boundary."""
+    B, T = labels.shape
     tgt = torch.full_like(labels, -100)
     tgt[:, : T - shift] = labels[:, shift:]
     if cu_seqlens is not None:
@@ -130,4 +146,27 @@ def _shifted_ce(logits, labels, shift: int, cu_seqlens) -> torch.Tensor:
         cross = torch.ones(T, dtype=torch.bool, device=labels.device)
         cross[: T - shift] = doc[shift:] != doc[: T - shift]
         tgt[:, cross] = -100
+    return tgt
+
+
+def _shifted_ce(logits, labels, shift: int, cu_seqlens) -> torch.Tensor:
+    """Cross-entropy of logits at t against labels at t + shift, never across a document boundary."""
+    V = logits.shape[-1]
+    tgt = _shifted_targets(labels, shift, cu_seqlens)
     return F.cross_entropy(logits.float().reshape(-1, V), tgt.reshape(-1), ignore_index=-100)
+
+
+def _chunk_ce_sum(head: nn.Module, hidden: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), tgt, ignore_index=-100, reduction="sum")
+
+
+def _chunked_head_ce(head: nn.Module, hidden: torch.Tensor, tgt: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Mean CE of head(hidden) [B,T,D] -> [B,T,V] against tgt [B,T] (-100 ignored), ``chunk`` tokens at a time;
+    each chunk's logits are recomputed in the backward (activation checkpointing), never stored."""
+    from torch.utils.checkpoint import checkpoint
+
+    h, t = hidden.reshape(-1, hidden.shape[-1]), tgt.reshape(-1)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for i in range(0, h.shape[0], chunk):
+        total = total + checkpoint(_chunk_ce_sum, head, h[i:i + chunk], t[i:i + chunk], use_reentrant=False)
+    return total / (t != -100).sum()  # what F.cross_entropy's mean divides by (NaN when nothing counts, as it)

@@ -93,7 +93,7 @@ class SingleProcess:
     def loss(self, model, batch: dict, mtp_weight: float, device):
         """-> (loss to backpropagate, lm loss, mtp loss or None, tokens this step over all ranks)."""
         ids, cu = batch["input_ids"].to(device), batch["cu_seqlens"].to(device)
-        out = model(ids, cu_seqlens=cu, labels=ids, mtp_weight=mtp_weight)
+        out = model(ids, cu_seqlens=cu, labels=ids, mtp_weight=mtp_weight, return_logits=False)
         mtp = out["mtp_loss"].item() if "mtp_loss" in out else None
         return out["loss"], out["lm_loss"].item(), mtp, ids.numel()
 
@@ -157,7 +157,7 @@ def evaluate(model, dataset: PackedDataset, batch_size: int, max_batches: int, d
             break
         ids, cu = b["input_ids"].to(device), b["cu_seqlens"].to(device)
         with amp:
-            loss = model(ids, cu_seqlens=cu, labels=ids)["lm_loss"]
+            loss = model(ids, cu_seqlens=cu, labels=ids, mtp_weight=0.0, return_logits=False)["lm_loss"]
         count = ids.numel() - (cu.numel() - 1)  # positions that predict a token of their own document
         total, n = total + loss.item() * count, n + count
     model.train(was)

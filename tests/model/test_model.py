@@ -65,6 +65,32 @@ def test_packed_loss_never_predicts_across_a_boundary():
     torch.testing.assert_close(packed["loss"], (la * 9 + lb * 6) / 15, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_chunked_head_loss_equals_the_full_logits_loss_and_gradients(chunk):
+    """return_logits=False (training): the CE chunk by chunk with the head recomputed in the backward, never the
+    [B,T,V] logits; packed documents, MTP on, a chunk size that does not divide T (7) and one larger than T (64)."""
+    model = tiny_model().train()
+    x = torch.randint(0, 1024, (1, 40))
+    cu = torch.tensor([0, 11, 12, 30, 40])  # a one-token document too: it predicts nothing
+    full = model(x, cu_seqlens=cu, labels=x)
+    full["loss"].backward()
+    g_full = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    out = model(x, cu_seqlens=cu, labels=x, return_logits=False, loss_chunk=chunk)
+    assert "logits" not in out
+    for key in ("loss", "lm_loss", "mtp_loss"):
+        torch.testing.assert_close(out[key], full[key], atol=1e-6, rtol=1e-6)
+    out["loss"].backward()
+    g = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(g) == set(g_full)
+    for n in g:
+        torch.testing.assert_close(g[n], g_full[n], atol=1e-6, rtol=1e-5, msg=n)
+    with pytest.raises(ValueError, match="pass labels"):
+        model(x, return_logits=False)
+    with pytest.raises(ValueError, match="loss_chunk"):
+        model(x, labels=x, return_logits=False, loss_chunk=0)
+
+
 def test_activation_checkpointing_gives_identical_gradients():
     model = tiny_model().train()
     x = torch.randint(0, 1024, (2, 20))

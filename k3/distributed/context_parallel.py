@@ -193,19 +193,29 @@ def cp_shifted_targets(labels_global: torch.Tensor, cu_seqlens: torch.Tensor | N
     return tgt[:, start:end]
 
 
-def cp_model_loss(model, ids_global: torch.Tensor, cu_seqlens, start: int, end: int, mtp_weight: float, group=None):
+def cp_model_loss(model, ids_global: torch.Tensor, cu_seqlens, start: int, end: int, mtp_weight: float, group=None,
+                  loss_chunk: int = 4096):
     """This rank's share of the single-process training loss of ``model`` on ``ids_global`` [B,T_global] split
-    along time, MTP layers included. -> (loss share to backpropagate, global lm loss, global mtp loss or None)."""
+    along time, MTP layers included. -> (loss share to backpropagate, global lm loss, global mtp loss or None).
+
+    The head's CE runs ``loss_chunk`` tokens at a time, recomputed in the backward: no [T, vocab] logits are held
+    (what makes long CP segments affordable). It calls the trunk, the norm, the head and the MTP layers one by one:
+    under FSDP (``--dp x --cp``, mesh.py) it runs as a registered forward method of the root, so that the root's own
+    weights are gathered around these calls."""
+    from ..model.transformer import chunked_head_ce_sum
+
     view = ContextParallel(group, start, end, cu_seqlens)
     ids = ids_global[:, start:end]
-    targets = cp_shifted_targets(ids_global, cu_seqlens, start, end)
-    if not (len(model.mtp) and mtp_weight):  # through the root forward (what FSDP2's hooks expect)
-        lm = cp_mean_loss(model(ids, cache=view)["logits"], targets, group)
-        return lm, _global(lm, group), None
-    # MTP: the trunk's hidden state feeds the MTP layers. Under FSDP (--dp x --cp) this function runs as a registered
-    # forward method of the root (mesh.py), so the root's own weights are gathered around these calls
+
+    def share(hidden, shift):  # this rank's share of the global mean CE of head(hidden), shift tokens ahead
+        total, count = chunked_head_ce_sum(model.lm_head, hidden,
+                                           cp_shifted_targets(ids_global, cu_seqlens, start, end, shift), loss_chunk)
+        return _share_of_mean(total, count, group)
+
     h = model.model(ids, cache=view)
-    lm = cp_mean_loss(model.lm_head(model.model.norm(h)), targets, group)
+    lm = share(model.model.norm(h), 1)
+    if not (len(model.mtp) and mtp_weight):
+        return lm, _global(lm, group), None
     T = ids_global.shape[1]
     losses = []
     for i, layer in enumerate(model.mtp):
@@ -213,8 +223,7 @@ def cp_model_loss(model, ids_global: torch.Tensor, cu_seqlens, start: int, end: 
         keep = same_document(T, k, cu_seqlens, ids_global.device)
         nxt = torch.where(keep, torch.roll(ids_global, -k, dims=1), ids_global)[:, start:end]
         h = layer(h, model.model.embed_tokens(nxt), cache=view)
-        losses.append(cp_mean_loss(model.lm_head(h), cp_shifted_targets(ids_global, cu_seqlens, start, end, 1 + k),
-                                   group))
+        losses.append(share(h, 1 + k))
     mtp = torch.stack(losses).mean()
     loss = lm + mtp_weight * mtp
     return loss, _global(lm, group), _global(mtp, group)
@@ -236,7 +245,10 @@ def cp_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tens
 def cp_mean_loss(logits: torch.Tensor, targets: torch.Tensor, group=None) -> torch.Tensor:
     """This rank's share of the global mean CE: local sum / all-reduced count. The shares of all ranks add up to
     the single-process loss, so backward on each share plus summed parameter gradients gives its gradients."""
-    total, count = cp_loss_sum(logits, targets)
+    return _share_of_mean(*cp_loss_sum(logits, targets), group)
+
+
+def _share_of_mean(total: torch.Tensor, count: torch.Tensor, group) -> torch.Tensor:
     count = count.clone()
     dist.all_reduce(count, group=group)
     if int(count) == 0:

@@ -30,7 +30,7 @@ _CP_LOSS = "_k3_cp_model_loss"  # cp_model_loss bound to the model, registered a
 
 
 def _register_cp_loss(model) -> None:
-    """With MTP, cp_model_loss calls the trunk, the norm, the head and the embedding one by one instead of the root
+    """cp_model_loss calls the trunk, the norm, the head (and the embedding for MTP) one by one instead of the root
     forward; run it as a forward method of the (fully_shard-ed) root, so that FSDP gathers the root's own weights
     first (and reduce-scatters their gradients in backward) as it does around model(...)."""
     from torch.distributed.fsdp import register_fsdp_forward_method
@@ -51,8 +51,9 @@ def _cp_slice_loss(model, batch: dict, mtp_weight: float, device, index: int, sl
     T = ids.shape[1]
     n = -(-T // cp)
     start, end = min(cp_rank * n, T), min((cp_rank + 1) * n, T)
+    cp_loss = getattr(model, _CP_LOSS, None) or functools.partial(cp_model_loss, model)  # FSDP: the registered one
     if not (mtp_weight and len(model.mtp)):
-        view_loss, lm, _ = cp_model_loss(model, ids, cu, start, end, 0.0, cp_group)
+        view_loss, lm, _ = cp_loss(ids, cu, start, end, 0.0, cp_group)
         return view_loss * shares[1], lm * shares[1], None
     if not (shares[1] and shares[2]):
         raise ValueError("a data-parallel slice has no position with a target 1 or 2 tokens ahead (documents "
@@ -61,7 +62,7 @@ def _cp_slice_loss(model, batch: dict, mtp_weight: float, device, index: int, sl
     # shares[1] * lm + w * shares[2] * mtp, the weighting of weighted_slice_loss (the lm and mtp it returns are
     # the slice's unweighted global means). w' != 0, so every rank runs the MTP layers (their collectives).
     w = mtp_weight * shares[2] / shares[1]
-    loss, lm, mtp = getattr(model, _CP_LOSS)(ids, cu, start, end, w, cp_group)
+    loss, lm, mtp = cp_loss(ids, cu, start, end, w, cp_group)
     return loss * shares[1], lm * shares[1], mtp * shares[2]
 
 

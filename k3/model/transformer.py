@@ -160,13 +160,21 @@ def _chunk_ce_sum(head: nn.Module, hidden: torch.Tensor, tgt: torch.Tensor) -> t
     return F.cross_entropy(head(hidden).float(), tgt, ignore_index=-100, reduction="sum")
 
 
-def _chunked_head_ce(head: nn.Module, hidden: torch.Tensor, tgt: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Mean CE of head(hidden) [B,T,D] -> [B,T,V] against tgt [B,T] (-100 ignored), ``chunk`` tokens at a time;
-    each chunk's logits are recomputed in the backward (activation checkpointing), never stored."""
+def chunked_head_ce_sum(head: nn.Module, hidden: torch.Tensor, tgt: torch.Tensor,
+                        chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed CE fp32, number of counted targets) of head(hidden) [B,T,D] -> [B,T,V] against tgt [B,T] (-100
+    ignored), ``chunk`` tokens at a time; each chunk's logits are recomputed in the backward (activation
+    checkpointing), never stored whole."""
     from torch.utils.checkpoint import checkpoint
 
     h, t = hidden.reshape(-1, hidden.shape[-1]), tgt.reshape(-1)
     total = hidden.new_zeros((), dtype=torch.float32)
     for i in range(0, h.shape[0], chunk):
         total = total + checkpoint(_chunk_ce_sum, head, h[i:i + chunk], t[i:i + chunk], use_reentrant=False)
-    return total / (t != -100).sum()  # what F.cross_entropy's mean divides by (NaN when nothing counts, as it)
+    return total, (t != -100).sum()
+
+
+def _chunked_head_ce(head: nn.Module, hidden: torch.Tensor, tgt: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Mean CE of head(hidden) against tgt, chunk by chunk (``chunked_head_ce_sum``)."""
+    total, count = chunked_head_ce_sum(head, hidden, tgt, chunk)
+    return total / count  # what F.cross_entropy's mean divides by (NaN when nothing counts, as it)

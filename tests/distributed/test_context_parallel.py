@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from k3.config import K3Config
 from k3.layers.sequence.mla import GatedMLA
-from k3.distributed.context_parallel import ContextParallel, cp_loss_sum, cp_mean_loss, cp_shifted_targets
+from k3.distributed.context_parallel import (ContextParallel, cp_loss_sum, cp_mean_loss, cp_model_loss,
+                                            cp_shifted_targets)
 from k3.model.transformer import K3ForCausalLM
 
 from .gloo import needs_gloo, spawn
@@ -82,9 +83,27 @@ def _check_targets():
     assert int(n) == 4 and abs(float(s) - 4 * torch.log(torch.tensor(10.0)).item()) < 1e-5
 
 
+def _check_chunked_loss(rank, model):
+    """cp_model_loss's head CE chunk by chunk (5 tokens, several chunks per rank) equals one chunk per rank."""
+    torch.manual_seed(2)
+    ids, cu = torch.randint(0, VOCAB, (1, T_GLOBAL)), torch.tensor([0, 20, 61, 96])
+    start, end = (0, 48) if rank == 0 else (48, T_GLOBAL)
+    runs = []
+    for chunk in (5, 4096):
+        model.zero_grad(set_to_none=True)
+        loss, lm, _ = cp_model_loss(model, ids, cu, start, end, 0.0, None, loss_chunk=chunk)
+        loss.backward()
+        runs.append((lm, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (lm5, g5), (lm_all, g_all) = runs
+    assert abs(lm5 - lm_all) <= 1e-6 * abs(lm_all) and set(g5) == set(g_all)
+    for name in g5:
+        assert_close(f"rank {rank} chunked grad {name}", g_all[name], g5[name], 1e-6)
+
+
 def _check_all(rank, world):
     _check_targets()
     model = _model()
+    _check_chunked_loss(rank, model)
     for layout, split in CASES:
         _check_case(rank, world, model, layout, split)
     with pytest.raises(ValueError, match="contiguous"):

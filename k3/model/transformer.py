@@ -170,7 +170,9 @@ def chunked_head_ce_sum(head: nn.Module, hidden: torch.Tensor, tgt: torch.Tensor
     h, t = hidden.reshape(-1, hidden.shape[-1]), tgt.reshape(-1)
     total = hidden.new_zeros((), dtype=torch.float32)
     for i in range(0, h.shape[0], chunk):
-        total = total + checkpoint(_chunk_ce_sum, head, h[i:i + chunk], t[i:i + chunk], use_reentrant=False)
+        # the head and the CE draw no random numbers: no RNG state to save and restore around the recompute
+        total = total + checkpoint(_chunk_ce_sum, head, h[i:i + chunk], t[i:i + chunk], use_reentrant=False,
+                                   preserve_rng_state=False)
     return total, (t != -100).sum()
 
 

@@ -86,6 +86,7 @@ def _worker(rank, check, world, init_file, backend):
                             timeout=datetime.timedelta(seconds=60), **kwargs)
     try:
         check(rank, world)
+        dist.barrier()  # nobody tears its process group down while a peer is still in a collective
         if backend == "nccl":
             torch.cuda.synchronize()  # surface asynchronous CUDA errors inside the try
     except BaseException:  # mp.spawn may report a peer's "connection closed" first: print the real failure

@@ -12,7 +12,6 @@ as an engine shutting down would).
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from functools import lru_cache
 from k3.data.tokenizer import train_tokenizer
 from k3.inference.api import FinishEvent, GenerationRequest, TokenEvent
 from k3.inference.detok import IncrementalDetokenizer, StopMatcher
+from k3.inference.engine import RequestHandle
 
 SCRIPT = "Hello, wörld! 漢字 and 🙂.<|im_end|> after ☃ the end"
 CORPUS = ["Hello, wörld! Hello world, café é è 漢字 漢字 and 🙂 emoji 🙂", "the end and the start",
@@ -33,18 +33,13 @@ def tiny_tokenizer():
     return train_tokenizer(CORPUS, vocab_size=300, min_frequency=1)
 
 
-class FakeHandle:
-    def __init__(self, engine: FakeEngine, request: GenerationRequest):
-        self.engine, self.request = engine, request
-        self.events: queue.Queue = queue.Queue()
-        self.cancelled = threading.Event()
+class FakeHandle(RequestHandle):
+    """The real handle's event queue and iteration; cancel() only flags the request for the fake engine."""
 
-    def __iter__(self):
-        while True:
-            event = self.events.get()
-            yield event
-            if isinstance(event, FinishEvent):
-                return
+    def __init__(self, engine: FakeEngine, request: GenerationRequest):
+        super().__init__(engine, request.request_id)
+        self.request = request
+        self.cancelled = threading.Event()
 
     def cancel(self) -> None:
         self.cancelled.set()

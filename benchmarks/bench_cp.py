@@ -25,10 +25,9 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import cpu_time_ms, cuda_time_ms, header, rel_rms  # noqa: E402
+from benchmarks.common import cpu_time_ms, cuda_time_ms, header, kda_inputs, rel_rms  # noqa: E402
 from k3.ops.kda import resolve_backend  # noqa: E402
 from k3.ops.kda.cp import chunk_kda_any, intra_device_cp_kda  # noqa: E402
 
@@ -39,15 +38,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def parse(shape: str):
     d = dict((p[0], int(p[1:])) for p in shape.split("-"))
     return d["B"], d["T"], d["H"], d["D"]
-
-
-def kda_inputs(B, T, H, D, device, dtype):
-    q = torch.randn(B, T, H, D, device=device, dtype=dtype)
-    k = F.normalize(torch.randn(B, T, H, D, device=device, dtype=dtype), dim=-1)
-    v = torch.randn(B, T, H, D, device=device, dtype=dtype)
-    g = -5 * torch.rand(B, T, H, D, device=device)
-    beta = torch.rand(B, T, H, device=device)
-    return q, k, v, g, beta
 
 
 def bench_shape(shape, segments, device, dtype, backend):

@@ -30,10 +30,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import cpu_time_ms, cuda_time_ms, header, rel_rms  # noqa: E402
+from benchmarks.common import cpu_time_ms, cuda_time_ms, header, kda_inputs, rel_rms  # noqa: E402
 from k3.distributed.kcp import cp_chunk_kda, equal_split  # noqa: E402
 from k3.ops.kda import resolve_backend  # noqa: E402
 from k3.ops.kda.cp import chunk_kda_any  # noqa: E402
@@ -68,15 +67,6 @@ def setup(device: str):
     return dist.get_rank(), dist.get_world_size()
 
 
-def kda_inputs(T, H, D, device, dtype=torch.bfloat16):
-    q = torch.randn(1, T, H, D, device=device, dtype=dtype)
-    k = F.normalize(torch.randn(1, T, H, D, device=device), dim=-1).to(dtype)
-    v = torch.randn(1, T, H, D, device=device, dtype=dtype)
-    g = -5 * torch.rand(1, T, H, D, device=device)
-    beta = torch.rand(1, T, H, device=device)
-    return [x.requires_grad_() for x in (q, k, v, g, beta)]
-
-
 def all_max(x: float, device) -> float:
     """The maximum over ranks; NaN (OOM, error) on any rank gives NaN."""
     t = torch.tensor([-1.0 if x != x else x, float(x != x)], dtype=torch.float64, device=device)
@@ -95,7 +85,7 @@ def bench_shape(shape, impls, modes, device, rank, world, warmup, iters):
     T, H, D = parse(shape)
     start, end = equal_split(T, world, rank)
     torch.manual_seed(1000 + rank)  # each rank draws its own slice of the global sequence
-    xs = kda_inputs(end - start, H, D, device)
+    xs = kda_inputs(1, end - start, H, D, device, requires_grad=True)
     do = torch.randn_like(xs[2])
     cu = torch.tensor([0, T], device=device)  # one document; one tensor object, so fla caches its CP context
     backend = "auto" if device == "cuda" else "torch"

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import cuda_time_ms, header  # noqa: E402
+from benchmarks.common import cuda_time_ms, header, kda_inputs  # noqa: E402
 from k3.ops.kda import chunk_kda  # noqa: E402
 
 
@@ -24,17 +24,8 @@ def parse(shape: str):
     return d["B"], d["T"], d["H"], d["D"]
 
 
-def kda_inputs(B, T, H, D):
-    q = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = F.normalize(torch.randn(B, T, H, D, device="cuda"), dim=-1).bfloat16().requires_grad_()
-    v = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    g = (-5 * torch.rand(B, T, H, D, device="cuda")).requires_grad_()
-    beta = torch.rand(B, T, H, device="cuda").requires_grad_()
-    return q, k, v, g, beta
-
-
 def bench_kda(backend, B, T, H, D):
-    xs = kda_inputs(B, T, H, D)
+    xs = kda_inputs(B, T, H, D, requires_grad=True)
     do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
 
     def fwd():

@@ -56,3 +56,16 @@ def rel_rms(ref, out) -> float:
     """||out - ref|| / ||ref|| in RMS terms, in fp32."""
     ref, out = ref.float(), out.float()
     return ((ref - out).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-12)).item()
+
+
+def kda_inputs(B: int, T: int, H: int, D: int, device="cuda", dtype=torch.bfloat16, requires_grad: bool = False):
+    """[q, k, v, g, beta] as every KDA benchmark uses them: q, v random in ``dtype``, k L2-normalised (in fp32, then
+    cast), fp32 log-decay gates spanning (-5, 0) (K3's floor), fp32 beta in (0, 1)."""
+    import torch.nn.functional as F
+
+    q = torch.randn(B, T, H, D, device=device, dtype=dtype)
+    k = F.normalize(torch.randn(B, T, H, D, device=device), dim=-1).to(dtype)
+    v = torch.randn(B, T, H, D, device=device, dtype=dtype)
+    g = -5 * torch.rand(B, T, H, D, device=device)
+    beta = torch.rand(B, T, H, device=device)
+    return [x.requires_grad_(requires_grad) for x in (q, k, v, g, beta)]

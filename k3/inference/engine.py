@@ -227,7 +227,7 @@ class Engine:
         L, dev = self.layout, self.device
         B, T = new.shape
         ctx = torch.tensor([s.num_cached for s in seqs], device=dev)
-        S = int(ctx.max())
+        S = max(s.num_cached for s in seqs)  # from the host's copy: no device sync
         kda_in, mla_in = {}, {}
         if L.n_kda:
             states, conv = self.pool.read_kda_batch([s.kda_pages for s in seqs])  # [n_kda,B,H,K,K], [n_kda,3,B,HK,W-1]

@@ -107,18 +107,17 @@ class K3ForCausalLM(nn.Module):
         if loss_chunk < 1:
             raise ValueError(f"loss_chunk must be >= 1; got {loss_chunk}")
         h = self.model(input_ids, cu_seqlens, cache)
-        out = {}
-        if return_logits:
-            out["logits"] = self.lm_head(self.model.norm(h))
+        normed = self.model.norm(h)
+        out = {"logits": self.lm_head(normed)} if return_logits else {}
         if labels is None:
             return out
 
-        def head_ce(hidden, shift):  # next-token CE of head(hidden), from the logits or chunk by chunk
+        def head_ce(hidden, shift, logits=None):  # CE of head(hidden) `shift` tokens ahead: whole, or chunk by chunk
             if return_logits:
-                return _shifted_ce(out["logits"] if shift == 1 else self.lm_head(hidden), labels, shift, cu_seqlens)
+                return _shifted_ce(self.lm_head(hidden) if logits is None else logits, labels, shift, cu_seqlens)
             return _chunked_head_ce(self.lm_head, hidden, _shifted_targets(labels, shift, cu_seqlens), loss_chunk)
 
-        loss = head_ce(None if return_logits else self.model.norm(h), 1)
+        loss = head_ce(normed, 1, out.get("logits"))
         out["lm_loss"] = loss
         if len(self.mtp) and mtp_weight:  # MTP layers run only when their loss counts
             mtp_losses = []

@@ -9,8 +9,9 @@
 set -u
 OUT=${OUT:-/tmp/k3-gpu}
 mkdir -p "$OUT/logs"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+if ls .whl/*.whl >/dev/null 2>&1; then  # once per machine: two sessions side by side (one per GPU) share it
+  [ -d /tmp/site/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:.
 else
   export PYTHONPATH=.

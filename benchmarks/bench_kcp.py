@@ -133,6 +133,9 @@ def bench_shape(shape, impls, modes, device, rank, world, warmup, iters):
             if device == "cuda":
                 torch.cuda.empty_cache()
         rows.append(row)
+        if rank == 0:  # progress (this rank's times), so a run stopped at its limit still says how far it got
+            print(f"# {shape} R={world} {impl}: " + json.dumps({k: v for k, v in row.items() if k.endswith("ms")}),
+                  file=sys.stderr, flush=True)
     ref = outs.get("fla" if world == 1 else "kcp")
     for row in rows:
         if "skipped" in row:

@@ -95,9 +95,10 @@ def _check_chunked_loss(rank, model):
         loss.backward()
         runs.append((lm, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
     (lm5, g5), (lm_all, g_all) = runs
-    assert abs(lm5 - lm_all) <= 1e-6 * abs(lm_all) and set(g5) == set(g_all)
+    # fp32 rounding only (a chunked head matmul sums in another order on CUDA); a lost or doubled chunk is O(1)
+    assert abs(lm5 - lm_all) <= 1e-5 * abs(lm_all) and set(g5) == set(g_all)
     for name in g5:
-        assert_close(f"rank {rank} chunked grad {name}", g_all[name], g5[name], 1e-6)
+        assert_close(f"rank {rank} chunked grad {name}", g_all[name], g5[name], 1e-5)
 
 
 def _check_all(rank, world):

@@ -68,21 +68,29 @@ def _small_run(model, x, backend, autocast):
 
 
 def test_small_model_fla_vs_torch_backend():
+    """The whole `small` model (16 KDA heads: the kernel keys above, so no second autotuning pass) under both backends.
+
+    Gradients are compared on the variant with dense FFNs in every layer: through MoE top-k routing they are not
+    comparable across backends at all. At initialisation the router's scores nearly tie, so differences of fla's
+    TF32 dots flip expert choices; on CPU, 1e-4 relative noise on the KDA outputs alone moves the MoE model's
+    embedding gradient by 12% (1e-3: 21%), the dense variant's gradients by at most 2.2% for 1e-3. The MoE model
+    itself is compared by its loss, in fp32 and under bf16 autocast (how training runs)."""
     torch.manual_seed(0)
-    # the small preset with 16 KDA heads: the same fla kernel keys as above, so no second autotuning pass
     cfg = K3Config.preset("small").replace(kda_num_heads=16)
-    model = K3ForCausalLM(cfg).cuda()
     x = torch.randint(0, cfg.vocab_size, (2, 1024), device="cuda")
+    dense = K3ForCausalLM(cfg.replace(first_k_dense_replace=cfg.num_hidden_layers)).cuda()
     # fp32 end to end: every gradient of the model agrees, the KDA gate scalars (A_log, dt_bias) included
-    loss_t, grads_t = _small_run(model, x, "torch", autocast=False)
-    loss_f, grads_f = _small_run(model, x, "fla", autocast=False)
+    loss_t, grads_t = _small_run(dense, x, "torch", autocast=False)
+    loss_f, grads_f = _small_run(dense, x, "fla", autocast=False)
     torch.testing.assert_close(loss_f, loss_t, atol=1e-3, rtol=1e-4)
+    assert set(grads_f) == set(grads_t) and any(".A_log" in n for n in grads_t)
     for n, g in grads_t.items():
         assert_close(n, g, grads_f[n], 0.05)
-    # bf16 autocast (how training runs): the loss agrees; per-parameter sums over 1e5+ bf16 terms are noise-bound
-    loss_t16, _ = _small_run(model, x, "torch", autocast=True)
-    loss_f16, _ = _small_run(model, x, "fla", autocast=True)
-    torch.testing.assert_close(loss_f16, loss_t16, atol=2e-2, rtol=2e-3)
+    model = K3ForCausalLM(cfg).cuda()
+    for autocast, atol, rtol in ((False, 1e-3, 1e-4), (True, 2e-2, 2e-3)):
+        loss_t, _ = _small_run(model, x, "torch", autocast)
+        loss_f, _ = _small_run(model, x, "fla", autocast)
+        torch.testing.assert_close(loss_f, loss_t, atol=atol, rtol=rtol)
 
 
 def test_grouped_mm_fused_matches_the_expert_loop():

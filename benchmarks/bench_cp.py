@@ -1,15 +1,19 @@
 """Intra-device context parallelism for KDA prefill (SPEC §8): one long sequence through chunk_kda whole, against the
-same sequence cut into R segments run side by side on one device (``k3.ops.kda.cp.intra_device_cp_kda``: summaries
-(M, S~) of all segments at once, a prefix scan of R [K,K] @ [K,V] products, then all outputs at once). Forward only
+same sequence cut into R segments run side by side on one device (``k3.ops.kda.cp.intra_device_cp_kda``: one
+chunk_kda call over all segments at once with V+K value columns (outputs from the zero state, their sensitivity P
+to the initial state, and each segment's (M, S~)), a prefix scan of R [K,K] @ [K,V] products, then o~ + P S_in for
+every token). Forward only
 (prefill), bf16 q/k/v, fp32 gates in (-5, 0), ``backend="auto"`` (fla-core's Triton chunk_kda on CUDA when it imports).
 
     python benchmarks/bench_cp.py                      # H200: T 256K and 1M, H 16 and 96, D 128, R = 4..64
     python benchmarks/bench_cp.py --device cpu --shapes B1-T2048-H2-D32 --segments 2,4 --dtype fp32   # smoke run
 
 Why it could win: fla's inter-chunk state pass walks T/64 chunks in sequence with one program per (sequence, head, V
-block); R segments give R times the programs, for about twice the arithmetic (the summary pass carries V+K state
-columns, then the output pass). Measured on the H200 with fla-core 0.6.0 (benchmarks/RESULTS.md) it does not win:
-0.52-0.54x at 256K and 1M tokens, H=16, for every R from 4 to 64; fla's kernel is already parallel enough there.
+block); R segments give R times the programs, for more arithmetic (V+K value columns, then one [K] x [K,V]
+product per token and head). Measured on the H200 with fla-core 0.6.0 (benchmarks/RESULTS.md), the earlier form
+(a summary pass with V+K columns, then a second full output pass) did not win: 0.52-0.54x at 256K and 1M tokens,
+H=16, for every R from 4 to 64; fla's kernel is already parallel enough there. The one-pass form is not yet
+measured on a GPU.
 
 fla-core's own context parallelism (``fla.ops.cp.build_cp_context(cu_seqlens, group)`` and the ``cp_context``
 argument of its ``chunk_kda``) splits a sequence across the ranks of a torch.distributed process group; in one

@@ -3,8 +3,9 @@
 Single-sequence KDA (B=1, one document of T tokens), bf16 q/k/v, fp32 gates in (-5, 0), ``lower_bound=-5`` (fla's
 safe-gate path), T cut into R equal contiguous slices, one per rank; both behind the GLOBAL interface
 ``k3.distributed.kcp.cp_chunk_kda``:
-  kcp     impl="k3": fla's chunk_kda for the local chunks (``backend="auto"``), our segment summary, one all-gather
-          of [M | S~] and the scan for the cross-rank state (one more all-gather in the backward);
+  kcp     impl="k3": fla's chunk_kda for the local chunks (``backend="auto"``): one call with V+K value columns
+          gives the segment map [M | S~] and the outputs' sensitivity to the carried state; one all-gather of
+          [M | S~], the scan for the cross-rank state, o = o~ + P S_in (one more all-gather in the backward);
   fla_cp  impl="fla": ``fla.ops.cp.build_cp_context`` + ``fla.ops.kda.chunk_kda(..., cp_context=...)``;
   fla     with R=1 only: plain chunk_kda on the whole sequence (the one-GPU baseline).
 Forward (prefill, no grad) and forward+backward (training); CUDA-event medians after warm-up (which absorbs fla's
@@ -134,7 +135,7 @@ def bench_shape(shape, impls, modes, device, rank, world, warmup, iters):
                 torch.cuda.empty_cache()
         rows.append(row)
         if rank == 0:  # progress (this rank's times), so a run stopped at its limit still says how far it got
-            print(f"# {shape} R={world} {impl}: " + json.dumps({k: v for k, v in row.items() if k.endswith("ms")}),
+            print(f"# {shape} R={world} {impl}: " + json.dumps({k: v for k, v in row.items() if k.endswith("ms") or k in ("oom", "error")}),
                   file=sys.stderr, flush=True)
     ref = outs.get("fla" if world == 1 else "kcp")
     for row in rows:

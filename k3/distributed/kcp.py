@@ -8,7 +8,9 @@ Forward (the math of the segment map and the scan is in ``k3/ops/kda/cp.py``):
   1. (M_r [B,H,K,K], S~_r [B,H,K,V]) = segment summary of the local tokens (fp32);
   2. ONE all-gather of [M_r | S~_r]: [B,H,K,K+V] per rank, whatever T is;
   3. S_in(r) = scan over j < r of  S <- M_j S + S~_j,  from S = 0;
-  4. o_r = chunk_kda(local tokens, initial_state = S_in(r)), exact.
+  4. o_r = the local tokens' outputs from S_in(r), exact: when the segment continues one sequence, steps 1 and 4
+     are ONE chunk_kda call whose extra output columns give o = o~ + P S_in(r) (``k3.ops.kda.cp``); when a
+     document starts inside it, step 1 runs on the tail only and step 4 is chunk_kda from the true states.
 Backward (``_ScanAcrossRanks``): step 4's backward gives D_r = dL/dS_in(r). ONE all-gather of the D's
 ([B,H,K,V] per rank), then every rank runs the adjoint scan over the ranks after it, with the M_j it kept:
 
@@ -44,7 +46,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..ops.kda.cp import chunk_kda_any, scan_states, segment_summary
+from ..ops.kda.cp import apply_initial_state, chunk_kda_any, scan_states, segment_outputs
 from ..ops.kda.fla import _fla_ops, fla_build_cp_context, fla_chunk_kda_cp, fla_cp_available
 from ..ops.short_conv import short_conv
 
@@ -149,13 +151,16 @@ def kcp_chunk_kda(q, k, v, g, beta, group=None, scale=None, cu_seqlens=None, fir
     start = _last_piece_start(T, cu_seqlens, B)
     resets = cu_seqlens is not None and (start > 0 or not first_doc_continues)
     opts = dict(chunk_size=chunk_size, backend=backend, lower_bound=lower_bound)
+    if not resets:  # the whole segment continues one sequence: ONE pass, then o = o~ + P S_in (no second pass)
+        o_zero, P, M, S_loc = segment_outputs(q, k, v, g, beta, scale, **opts)
+        S_in = _ScanAcrossRanks.apply(M, S_loc, group)  # [B,H,K,V]
+        final = S_loc + M @ S_in if output_final_state else None
+        return apply_initial_state(o_zero, P, S_in), final
+    # a document starts in the tail: nothing from the lower ranks goes past it (M = 0), and only piece 0 (if it
+    # continues) needs S_in: the tail's zero-start state, the collective, then the outputs from the true states
     tail = [x[:, start:] for x in (k, v, g, beta)]
-    if resets:  # a document starts in the tail: nothing from the lower ranks goes past it
-        _, S_loc = chunk_kda_any(tail[0], *tail, scale=1.0, output_final_state=True, **opts)
-        M = S_loc.new_zeros(B, H, K, K)
-    else:
-        M, S_loc = segment_summary(*tail, **opts)
-    S_in = _ScanAcrossRanks.apply(M, S_loc, group)  # [B,H,K,V]
+    _, S_loc = chunk_kda_any(tail[0], *tail, scale=1.0, output_final_state=True, **opts)
+    S_in = _ScanAcrossRanks.apply(S_loc.new_zeros(B, H, K, K), S_loc, group)  # [B,H,K,V]
     h0 = _first_piece_state(S_in, cu_seqlens, first_doc_continues)
     return chunk_kda_any(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, **opts)
 

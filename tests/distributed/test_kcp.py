@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from k3.distributed.kcp import kcp_chunk_kda, kcp_short_conv, local_cu_seqlens
-from k3.ops.kda.cp import intra_device_cp_kda, scan_states, segment_summary, segment_transition
+from k3.ops.kda.cp import (apply_initial_state, intra_device_cp_kda, scan_states, segment_outputs, segment_summary,
+                          segment_transition)
 from k3.ops.kda.reference import chunk_kda, recurrent_kda
 from k3.ops.short_conv import short_conv
 
@@ -64,6 +65,25 @@ def test_segment_summary_is_the_affine_map_of_the_recurrence():
     assert_close("segment_transition", M_ref, segment_transition(k, g, beta, chunk_size=C), 1e-12)
     _, S_zero = recurrent_kda(q, k, v, g, beta, output_final_state=True)
     assert_close("S~ zero start", S_zero, S_loc, 1e-12)
+
+
+def test_one_pass_segment_outputs_from_any_initial_state():
+    """segment_outputs + apply_initial_state (what KCP and intra-device CP run) equal chunk_kda from that initial
+    state: outputs, final state and the gradients of every input and of the state, in one pass."""
+    inputs = long_memory_inputs(2, 45)
+    S_in = torch.randn(2, H, K, V, dtype=torch.float64)
+    do, ds = torch.randn(2, 45, H, V, dtype=torch.float64), torch.randn(2, H, K, V, dtype=torch.float64)
+
+    def one_pass(q, k, v, g, beta, initial_state, output_final_state, scale=0.3):
+        o_zero, P, M, S_loc = segment_outputs(q, k, v, g, beta, scale, chunk_size=C)
+        return apply_initial_state(o_zero, P, initial_state), S_loc + M @ initial_state
+
+    ref = run_kda(chunk_kda, inputs, S_in, do, ds, scale=0.3, chunk_size=C)
+    got = run_kda(one_pass, inputs, S_in, do, ds)
+    for name, a, b in zip(["o", "final", "dq", "dk", "dv", "dg", "dbeta", "dS_in"], [*ref[:2], *ref[2]], [*got[:2], *got[2]]):
+        assert_close(name, a, b, 1e-12)
+    o_zero, P, _, _ = segment_outputs(*(x.float() for x in inputs), chunk_size=C)
+    assert apply_initial_state(o_zero.bfloat16(), P.bfloat16(), S_in.float()).dtype == torch.bfloat16
 
 
 def test_scan_states_gives_the_state_at_every_segment_boundary():

@@ -32,7 +32,9 @@ for s in $steps; do
     decode) timeout ${T_DECODE:-480} python3 benchmarks/bench_decode.py --json "$L/bench_decode.json" 2>&1 | tee "$L/bench_decode.log" ;;
     cp)     timeout ${T_CP:-420} python3 benchmarks/bench_cp.py --json "$L/bench_cp.json" 2>&1 | tee "$L/bench_cp.log" ;;
     kda)    timeout ${T_KDA:-420} python3 benchmarks/bench_kda.py --json "$L/bench_kda.json" 2>&1 | tee "$L/bench_kda.log" ;;
-    nccl)   K3_TEST_BACKEND=nccl timeout ${T_NCCL:-420} python3 -m pytest -q -p no:cacheprovider -W ignore -m distributed tests/distributed 2>&1 | tee "$L/nccl_tests.log" ;;
+    # the suite checks the distributed logic with the reference KDA kernels (no fla autotuning in every spawned
+    # process: that alone outlasted the step's limit); fla's kernels under CP are the flacp step's
+    nccl)   K3_TEST_BACKEND=nccl K3_KDA_BACKEND=${K3_KDA_BACKEND:-torch} timeout ${T_NCCL:-420} python3 -m pytest -q -p no:cacheprovider -W ignore -m distributed tests/distributed 2>&1 | tee "$L/nccl_tests.log" ;;
     flacp)  timeout ${T_FLACP:-420} python3 -m pytest -q -s -p no:cacheprovider -W ignore tests/gpu/test_fla_cp.py 2>&1 | tee "$L/fla_cp_test.log" ;;
     kcp)    for r in 1 $NGPU; do timeout ${T_KCP:-300} $TR $r benchmarks/bench_kcp.py --json "$L/bench_kcp_r$r.json" 2>&1 | tee "$L/bench_kcp_r$r.log"; done ;;
     scale)  timeout ${T_SCALE:-540} python3 benchmarks/bench_scale.py --gpus $NGPU --json "$L/bench_scale.json" 2>&1 | tee "$L/bench_scale.log" ;;

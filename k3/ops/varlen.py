@@ -5,9 +5,16 @@ Legend: T packed tokens, N documents, Tpad the padded length (the longest docume
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
+
 import torch
 
-__all__ = ["pack_sequences", "unpack_sequences", "document_ids", "same_document"]
+__all__ = ["pack_sequences", "unpack_sequences", "document_ids", "same_document", "length_groups",
+           "GROUP_OVERHEAD"]
+
+# a padded group's fixed cost in token^2 (gather, attention call, scatter), against count x longest^2 for its work
+GROUP_OVERHEAD = 512 ** 2
 
 
 def pack_sequences(x: torch.Tensor, cu_seqlens: torch.Tensor, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,3 +54,36 @@ def same_document(T: int, shift: int, cu_seqlens: torch.Tensor | None, device) -
         doc = document_ids(cu_seqlens, T, device)
         ok = ok & (doc[(pos + shift).clamp(max=T - 1)] == doc)
     return ok
+
+
+def length_groups(lengths: Sequence[int], overhead: float = GROUP_OVERHEAD) -> list[list[int]]:
+    """Documents of ``lengths`` -> groups to run as one padded batch each (causal attention per row), longest
+    first: the partition of the lengths sorted longest first into runs that minimises the sum over groups of
+    (documents x longest^2 + ``overhead``), by dynamic programming. One group is the plain padded batch; with
+    ``overhead=0`` every distinct length gets its own. Returns each group's document indices."""
+    return [list(g) for g in _length_groups(tuple(int(n) for n in lengths), float(overhead))]
+
+
+@functools.lru_cache(maxsize=16)  # every MLA layer of a forward asks for the same lengths
+def _length_groups(lengths: tuple[int, ...], overhead: float) -> tuple[tuple[int, ...], ...]:
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"document lengths must be >= 0; got {list(lengths)}")
+    order = sorted((i for i, n in enumerate(lengths) if n), key=lambda i: -lengths[i])
+    N = len(order)
+    if N == 0:
+        return ()
+    if overhead == float("inf"):  # the plain padded batch
+        return (tuple(order),)
+    sq = torch.tensor([float(lengths[i]) ** 2 for i in order], dtype=torch.float64)  # longest first
+    idx = torch.arange(N, dtype=torch.float64)
+    best = torch.zeros(N + 1, dtype=torch.float64)  # best[j]: the first j documents grouped
+    cut = [0] * (N + 1)
+    for j in range(1, N + 1):  # the last group is order[i:j], padded to order[i]'s length
+        cand = best[:j] + (j - idx[:j]) * sq[:j]
+        i = int(cand.argmin())
+        best[j], cut[j] = cand[i] + overhead, i
+    groups, j = [], N
+    while j:
+        groups.append(tuple(order[cut[j]:j]))
+        j = cut[j]
+    return tuple(reversed(groups))

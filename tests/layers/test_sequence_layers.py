@@ -3,7 +3,7 @@ import torch
 
 from k3 import K3Config
 from k3.layers.sequence.kda import KimiDeltaAttention
-from k3.layers.sequence.mla import GatedMLA
+from k3.layers.sequence.mla import GatedMLA, attend_documents, max_causal_logit
 from k3.ops.varlen import document_ids
 
 
@@ -65,3 +65,36 @@ def test_mla_packed_documents_are_independent():
     torch.testing.assert_close(packed[:, :6], layer(a), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(packed[:, 6:], layer(b), atol=1e-5, rtol=1e-4)
     assert document_ids(torch.tensor([0, 2, 5, 5, 7]), 7, "cpu").tolist() == [0, 0, 1, 1, 1, 3, 3]
+
+
+@pytest.mark.parametrize("overhead", [0.0, 30.0 ** 2, float("inf")], ids=["every-length-alone", "grouped", "one-pad"])
+def test_mla_document_groups_equal_attention_per_document(overhead):
+    """attend_documents, whatever the grouping (each length alone, grouped by cost, everything padded to the
+    longest), equals causal SDPA run on each document by itself: outputs, q/k/v gradients, QK-clip's max logit."""
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 37, 40, 41, 90, 90, 97, 150, 153])  # lengths 37 3 1 49 0 7 53 3: several groups
+    H, T = 3, int(cu[-1])
+    q, k = torch.randn(1, H, T, 10, dtype=torch.float64), torch.randn(1, H, T, 10, dtype=torch.float64)
+    v, do = torch.randn(1, H, T, 6, dtype=torch.float64), torch.randn(1, H, T, 6, dtype=torch.float64)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o, m = attend_documents(*leaves, cu, 0.7, track_max_logit=True, overhead=overhead)
+    (o * do).sum().backward()
+    ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    parts, ref_m = [], torch.full((H,), float("-inf"), dtype=torch.float32)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if b > a:
+            qa, ka, va = (x[:, :, a:b] for x in ref_leaves)
+            parts.append(torch.nn.functional.scaled_dot_product_attention(qa, ka, va, is_causal=True, scale=0.7))
+            ref_m = torch.maximum(ref_m, max_causal_logit(qa, ka, 0.7))
+    ref = torch.cat(parts, dim=2)
+    (ref * do).sum().backward()
+    torch.testing.assert_close(o, ref)
+    torch.testing.assert_close(m, ref_m)
+    for name, a, b in zip("qkv", ref_leaves, leaves):
+        torch.testing.assert_close(b.grad, a.grad, msg=f"d{name}")
+
+
+def test_mla_packed_documents_need_batch_one():
+    cfg = K3Config.preset("tiny")
+    with pytest.raises(ValueError, match="batch 1"):
+        GatedMLA(cfg)(torch.randn(2, 6, cfg.hidden_size), cu_seqlens=torch.tensor([0, 2, 6]))

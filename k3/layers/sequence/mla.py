@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...config import K3Config
-from ...ops.varlen import pack_sequences, unpack_sequences
+from ...ops.varlen import GROUP_OVERHEAD, length_groups
 from ..norm import RMSNorm
 
 
@@ -53,10 +53,39 @@ def max_causal_logit(q: torch.Tensor, k: torch.Tensor, scale: float, valid: torc
     return best
 
 
-def rows_per_document(x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[1,H,T,*] packed -> ([N,H,Tpad,*] one right-padded row per document, valid [N,Tpad])."""
-    xb, valid = pack_sequences(x[0].transpose(0, 1).unsqueeze(0), cu_seqlens)  # [N,Tpad,H,*]
-    return xb.transpose(1, 2), valid
+def attend_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
+                     track_max_logit: bool = False, overhead: float = GROUP_OVERHEAD):
+    """Causal attention within each packed document: q, k [1,H,T,Dk], v [1,H,T,Dv] -> (o [1,H,T,Dv], max logit
+    [H] fp32 or None).
+
+    Documents of similar length run together as one right-padded batch per group (``length_groups``: the work
+    of a group is its count x its longest^2, so one 3000-token document no longer pads forty 50-token ones);
+    plain causal SDPA per row is exact (a real query sees only keys at or before it; padding comes after every
+    real position). ``overhead=inf`` pads every document to the longest, in one call."""
+    H, T = q.shape[1], q.shape[2]
+    cu = cu_seqlens.tolist()
+    starts, lens = cu[:-1], [b - a for a, b in zip(cu, cu[1:])]
+    if len(lens) == 1:  # one document: no gather
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return o, (max_causal_logit(q, k, scale) if track_max_logit else None)
+    outs, where, best = [], [], None
+    for group in length_groups(lens, overhead):
+        st = torch.tensor([starts[d] for d in group], device=q.device)
+        ln = torch.tensor([lens[d] for d in group], device=q.device)
+        pos = torch.arange(lens[group[0]], device=q.device)  # the group's longest comes first
+        valid = pos[None, :] < ln[:, None]  # [n,Tpad]
+        idx = torch.where(valid, st[:, None] + pos[None, :], 0)
+        qg, kg, vg = (x[0][:, idx].transpose(0, 1) for x in (q, k, v))  # [n,H,Tpad,*]
+        if track_max_logit:
+            m = max_causal_logit(qg, kg, scale, valid)
+            best = m if best is None else torch.maximum(best, m)
+        og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale)  # [n,H,Tpad,Dv]
+        outs.append(og.transpose(0, 1)[:, valid])  # [H, tokens of the group, Dv]
+        where.append(idx[valid])
+    order = torch.cat(where)  # the packed position of every row of the concatenation
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(T, device=q.device)
+    return torch.cat(outs, dim=1)[:, inverse][None], best
 
 
 class GatedMLA(nn.Module):
@@ -119,18 +148,17 @@ class GatedMLA(nn.Module):
         v = v.transpose(1, 2)
         if self.fp32_attention and self.training:
             q, k, v = q.float(), k.float(), v.float()
-        valid = None
-        if cu_seqlens is not None:
-            # one right-padded row per document: plain causal attention per row is then exact (a real query only
-            # sees keys at or before it; padding sits after every real position), at N * Tpad^2 instead of T^2
-            (q, valid), (k, _), (v, _) = (rows_per_document(t, cu_seqlens) for t in (q, k, v))
-        if self.track_max_logit and self.training:
-            m = max_causal_logit(q, k, self.scale, valid)
+        track = self.track_max_logit and self.training
+        if cu_seqlens is not None:  # packed documents (B = 1): causal attention within each
+            if B != 1:
+                raise ValueError(f"packed documents (cu_seqlens) come in batch 1; got batch {B}")
+            o, m = attend_documents(q, k, v, cu_seqlens, self.scale, track)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            m = max_causal_logit(q, k, self.scale) if track else None
+        if m is not None:
             self.max_logit = m if self.max_logit is None else torch.maximum(self.max_logit, m)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale).transpose(1, 2)  # [*,T,H,Dv]
-        if valid is not None:
-            o = unpack_sequences(o, valid)
-        o = o.reshape(B, T, H * self.dv)
+        o = o.transpose(1, 2).reshape(B, T, H * self.dv)  # [B,T,H*Dv]
         return self._gate_out(x, o)
 
     def absorbed_weights(self):

@@ -14,6 +14,7 @@ autotunes fla's kernels once (KCP's summary pass adds V=256 keys, fla's CP its m
 
 import datetime
 import sys
+import time
 import traceback
 
 import pytest
@@ -66,14 +67,16 @@ def _check(rank):
         ref = [r[:, start:end] for r in ref]
         local = [x[:, start:end] for x in xs]
         for impl in ("fla", "k3"):
+            t0 = time.perf_counter()
             out = _run(lambda *a: cp_chunk_kda(*a, cu, impl=impl, lower_bound=LOWER_BOUND, backend="fla"),
                        local, do[:, start:end])
             for name, r, x in zip(NAMES, ref, out):
                 whole, cut = _ratio(r, x), _ratio(r[:, near], x[:, near])
-                lines.append(f"rank {rank} {impl:3s} {str(layout):28s} {name:5s} slice {whole:.2e}  near cut {cut:.2e}")
+                lines.append(f"rank {rank} {impl:3s} {str(layout):28s} {name:5s} slice {whole:.2e}  near cut {cut:.2e}"
+                             f"  ({time.perf_counter() - t0:.0f} s, the first call of each impl autotunes)")
+                print(lines[-1], flush=True)  # as it comes (run with -s): a run stopped at a limit says how far it got
                 if not (whole <= TOL and cut <= TOL):  # also catches NaN
                     failures.append(lines[-1])
-    print("\n".join(lines), flush=True)
     assert not failures, f"relative RMS error above {TOL}:\n" + "\n".join(failures)
 
 

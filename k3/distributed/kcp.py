@@ -8,9 +8,8 @@ Forward (the math of the segment map and the scan is in ``k3/ops/kda/cp.py``):
   1. (M_r [B,H,K,K], S~_r [B,H,K,V]) = segment summary of the local tokens (fp32);
   2. ONE all-gather of [M_r | S~_r]: [B,H,K,K+V] per rank, whatever T is;
   3. S_in(r) = scan over j < r of  S <- M_j S + S~_j,  from S = 0;
-  4. o_r = the local tokens' outputs from S_in(r), exact: when the segment continues one sequence, steps 1 and 4
-     are ONE chunk_kda call whose extra output columns give o = o~ + P S_in(r) (``k3.ops.kda.cp``); when a
-     document starts inside it, step 1 runs on the tail only and step 4 is chunk_kda from the true states.
+  4. o_r = o~ + P S_in(r), exact: steps 1 and 4 are ONE chunk_kda call with values [v | 0] from [0 | I], whose
+     extra output columns are P, the outputs' sensitivity to the carried state (``k3.ops.kda.cp``).
 Backward (``_ScanAcrossRanks``): step 4's backward gives D_r = dL/dS_in(r). ONE all-gather of the D's
 ([B,H,K,V] per rank), then every rank runs the adjoint scan over the ranks after it, with the M_j it kept:
 
@@ -23,11 +22,11 @@ Packed documents (B = 1). Each rank passes ``cu_seqlens``: the boundaries of the
 LOCAL to its segment ([0, ..., T]), and ``first_doc_continues``: whether its piece 0 continues the document of
 the previous rank's last piece (False when a document starts exactly at this rank's first token; ignored on
 rank 0). ``local_cu_seqlens(global_cu, start, end)`` derives both from the global boundaries. Then:
-  - only the LAST local piece can carry a state onward, so the summary covers the tail after the last local
-    document start: if that tail starts a document (its start > 0, or it is piece 0 and does not continue)
-    then M_r = 0 and S~_r = the tail's zero-start state, which cuts the scan there; else (the whole segment lies
-    inside one document) M_r, S~_r are the whole segment's;
-  - only piece 0 receives S_in(r), and only if it continues; the other pieces start from zero.
+  - only piece 0 receives S_in(r), and only if it continues: it starts from [0 | I], every other piece from
+    [0 | 0], so P is zero outside a continuing piece 0;
+  - only the LAST local piece can carry a state onward: (M_r, S~_r) are its final state's. If a document starts
+    in the segment, that piece started from [0 | 0], so M_r = 0 and the scan is cut there; else (the whole
+    segment lies inside one document) they are the whole segment's.
 
 Every rank must run the backward of every KCP call (as with DDP): the backward all-gathers are collectives.
 
@@ -46,7 +45,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..ops.kda.cp import apply_initial_state, chunk_kda_any, scan_states, segment_outputs
+from ..ops.kda.cp import apply_initial_state, scan_states, segment_outputs
 from ..ops.kda.fla import _fla_ops, fla_build_cp_context, fla_chunk_kda_cp, fla_cp_available
 from ..ops.short_conv import short_conv
 
@@ -148,21 +147,18 @@ def kcp_chunk_kda(q, k, v, g, beta, group=None, scale=None, cu_seqlens=None, fir
     zero state (training); every rank holds at least one token.
     """
     B, T, H, K = q.shape
-    start = _last_piece_start(T, cu_seqlens, B)
-    resets = cu_seqlens is not None and (start > 0 or not first_doc_continues)
-    opts = dict(chunk_size=chunk_size, backend=backend, lower_bound=lower_bound)
-    if not resets:  # the whole segment continues one sequence: ONE pass, then o = o~ + P S_in (no second pass)
-        o_zero, P, M, S_loc = segment_outputs(q, k, v, g, beta, scale, **opts)
-        S_in = _ScanAcrossRanks.apply(M, S_loc, group)  # [B,H,K,V]
-        final = S_loc + M @ S_in if output_final_state else None
-        return apply_initial_state(o_zero, P, S_in), final
-    # a document starts in the tail: nothing from the lower ranks goes past it (M = 0), and only piece 0 (if it
-    # continues) needs S_in: the tail's zero-start state, the collective, then the outputs from the true states
-    tail = [x[:, start:] for x in (k, v, g, beta)]
-    _, S_loc = chunk_kda_any(tail[0], *tail, scale=1.0, output_final_state=True, **opts)
-    S_in = _ScanAcrossRanks.apply(S_loc.new_zeros(B, H, K, K), S_loc, group)  # [B,H,K,V]
-    h0 = _first_piece_state(S_in, cu_seqlens, first_doc_continues)
-    return chunk_kda_any(q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, **opts)
+    _last_piece_start(T, cu_seqlens, B)  # checks the local boundaries
+    carried = None
+    if cu_seqlens is not None:  # only piece 0 takes the carried state, and only if it continues a document
+        carried = torch.zeros(cu_seqlens.numel() - 1, device=q.device)
+        carried[0] = float(first_doc_continues)
+    # ONE pass: o~ and P for every token; the last piece's (M, S~) (M = 0 when a document starts in the segment)
+    o_zero, P, M, S_loc = segment_outputs(q, k, v, g, beta, scale, chunk_size, backend, lower_bound, cu_seqlens,
+                                          carried)
+    last = slice(-1, None) if cu_seqlens is not None else slice(None)
+    S_in = _ScanAcrossRanks.apply(M[last], S_loc[last], group)  # [B,H,K,V] ([1,...] packed)
+    final = S_loc + M @ S_in if output_final_state else None
+    return apply_initial_state(o_zero, P, S_in), final
 
 
 def kcp_short_conv(x, weight, group=None, cu_seqlens=None, first_doc_continues=True, activation=True):

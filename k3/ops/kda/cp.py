@@ -91,16 +91,23 @@ def segment_summary(k, v, g, beta, chunk_size=64, backend="auto", lower_bound=No
     return S[..., Vd:], S[..., :Vd]
 
 
-def segment_outputs(q, k, v, g, beta, scale=None, chunk_size=64, backend="auto", lower_bound=None):
-    """q, k, g [B,T,H,K], v [B,T,H,V], beta [B,T,H] -> (o~ [B,T,H,V], P [B,T,H,K], M [B,H,K,K], S~ [B,H,K,V]) in
-    ONE chunk_kda call (values [v | 0] from the initial state [0 | I]): o~ the outputs from the zero state, P their
-    sensitivity to the initial state (``apply_initial_state``), (M, S~) the segment's affine map."""
+def segment_outputs(q, k, v, g, beta, scale=None, chunk_size=64, backend="auto", lower_bound=None, cu_seqlens=None,
+                    carried=None):
+    """q, k, g [B,T,H,K], v [B,T,H,V], beta [B,T,H] -> (o~ [B,T,H,V], P [B,T,H,K], M [N,H,K,K], S~ [N,H,K,V]) in
+    ONE chunk_kda call (values [v | 0] from the initial states [0 | I]): o~ the outputs from the zero state, P their
+    sensitivity to the initial state (``apply_initial_state``), (M, S~) each sequence's affine map. N = B, or the
+    number of packed documents with ``cu_seqlens``. ``carried`` [N] (0/1): which sequences take an initial state
+    (the others start from zero: their P and M are 0); default all."""
     B, T, H, K = k.shape
     Vd = v.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     v_cat = torch.cat([v, v.new_zeros(B, T, H, K)], dim=-1)  # [B,T,H,V+K]
-    h0 = torch.cat([k.new_zeros(B, H, K, Vd, dtype=_state_dtype(k)), _identity_states(k)], dim=-1)
-    o, S = chunk_kda_any(q, k, v_cat, g, beta, scale, h0, True, chunk_size=chunk_size, backend=backend,
-                         lower_bound=lower_bound)
+    eye = _identity_states(k[:1]).expand(N, H, K, K)
+    if carried is not None:
+        eye = eye * carried.to(eye)[:, None, None, None]
+    h0 = torch.cat([eye.new_zeros(N, H, K, Vd), eye], dim=-1)
+    o, S = chunk_kda_any(q, k, v_cat, g, beta, scale, h0.contiguous(), True, cu_seqlens, chunk_size=chunk_size,
+                         backend=backend, lower_bound=lower_bound)
     return o[..., :Vd], o[..., Vd:], S[..., Vd:], S[..., :Vd]
 
 

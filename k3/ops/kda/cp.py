@@ -80,15 +80,10 @@ def segment_transition(k, g, beta, chunk_size=64, backend="auto", lower_bound=No
 
 
 def segment_summary(k, v, g, beta, chunk_size=64, backend="auto", lower_bound=None):
-    """k, g [B,T,H,K], v [B,T,H,V], beta [B,T,H] -> (M [B,H,K,K], S~ [B,H,K,V]) in one chunk_kda call:
-    values [v | 0] from the initial state [0 | I] end as [S~ | M]."""
-    B, T, H, K = k.shape
-    Vd = v.shape[-1]
-    v_cat = torch.cat([v, v.new_zeros(B, T, H, K)], dim=-1)  # [B,T,H,V+K]
-    h0 = torch.cat([k.new_zeros(B, H, K, Vd, dtype=_state_dtype(k)), _identity_states(k)], dim=-1)
-    _, S = chunk_kda_any(k, k, v_cat, g, beta, 1.0, h0, True, chunk_size=chunk_size, backend=backend,
-                         lower_bound=lower_bound)
-    return S[..., Vd:], S[..., :Vd]
+    """k, g [B,T,H,K], v [B,T,H,V], beta [B,T,H] -> (M [B,H,K,K], S~ [B,H,K,V]): ``segment_outputs``'s affine map
+    alone (values [v | 0] from the initial state [0 | I] end as [S~ | M])."""
+    _, _, M, S = segment_outputs(k, k, v, g, beta, 1.0, chunk_size, backend, lower_bound)  # q = k: outputs unused
+    return M, S
 
 
 def segment_outputs(q, k, v, g, beta, scale=None, chunk_size=64, backend="auto", lower_bound=None, cu_seqlens=None,

@@ -94,6 +94,17 @@ def test_mla_document_groups_equal_attention_per_document(overhead):
         torch.testing.assert_close(b.grad, a.grad, msg=f"d{name}")
 
 
+def test_mla_reads_cu_seqlens_once_per_tensor_and_sees_in_place_changes():
+    from k3.layers.sequence import mla
+
+    cu = torch.tensor([0, 3, 7])
+    assert mla._host_list(cu) == [0, 3, 7]
+    assert mla._host_list(cu) is mla._host_list(cu)  # cached: one device read per tensor
+    cu[1] = 5  # an in-place change bumps the version: read again
+    assert mla._host_list(cu) == [0, 5, 7]
+    assert mla._host_list(torch.tensor([0, 2])) == [0, 2]  # another tensor
+
+
 def test_mla_packed_documents_need_batch_one():
     cfg = K3Config.preset("tiny")
     with pytest.raises(ValueError, match="batch 1"):

@@ -13,6 +13,8 @@ pre-softmax logit of each head (running max until k3.train.qk_clip resets it), f
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,6 +55,21 @@ def max_causal_logit(q: torch.Tensor, k: torch.Tensor, scale: float, valid: torc
     return best
 
 
+_HOST: tuple = (None, None, None)  # (weakref to the tensor, its version, its values): the last cu_seqlens read
+
+
+def _host_list(t: torch.Tensor) -> list[int]:
+    """``t.tolist()``, read from the device once per tensor: every MLA layer of a forward (and the recompute of
+    activation checkpointing) gets the same cu_seqlens, and each read of a CUDA tensor waits for the GPU."""
+    global _HOST
+    ref, version, values = _HOST
+    if ref is not None and ref() is t and version == t._version:
+        return values
+    values = t.tolist()
+    _HOST = (weakref.ref(t), t._version, values)
+    return values
+
+
 def attend_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
                      track_max_logit: bool = False, overhead: float = GROUP_OVERHEAD):
     """Causal attention within each packed document: q, k [1,H,T,Dk], v [1,H,T,Dv] -> (o [1,H,T,Dv], max logit
@@ -63,7 +80,7 @@ def attend_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     plain causal SDPA per row is exact (a real query sees only keys at or before it; padding comes after every
     real position). ``overhead=inf`` pads every document to the longest, in one call."""
     H, T = q.shape[1], q.shape[2]
-    cu = cu_seqlens.tolist()
+    cu = _host_list(cu_seqlens)
     starts, lens = cu[:-1], [b - a for a, b in zip(cu, cu[1:])]
     if len(lens) == 1:  # one document: no gather
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)

@@ -91,11 +91,12 @@ class SingleProcess:
         pass
 
     def loss(self, model, batch: dict, mtp_weight: float, device):
-        """-> (loss to backpropagate, lm loss, mtp loss or None, tokens this step over all ranks)."""
+        """-> (loss to backpropagate, lm loss, mtp loss or None, tokens this step over all ranks). The lm and mtp
+        losses may be 0-d tensors (read after the backward: no wait for the GPU between forward and backward)."""
         ids, cu = batch["input_ids"].to(device), batch["cu_seqlens"].to(device)
         out = model(ids, cu_seqlens=cu, labels=ids, mtp_weight=mtp_weight, return_logits=False)
-        mtp = out["mtp_loss"].item() if "mtp_loss" in out else None
-        return out["loss"], out["lm_loss"].item(), mtp, ids.numel()
+        mtp = out["mtp_loss"].detach() if "mtp_loss" in out else None
+        return out["loss"], out["lm_loss"].detach(), mtp, ids.numel()
 
     def reduce_grads(self, model) -> None:
         pass
@@ -248,11 +249,12 @@ def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
                 loss, lm, mtp, n = par.loss(model, next(batches), cfg.mtp_weight, device)
             (loss / cfg.grad_accum).backward()
             loss_sum += lm / cfg.grad_accum
-            mtp_sum += (mtp or 0.0) / cfg.grad_accum
+            mtp_sum += (mtp if mtp is not None else 0.0) / cfg.grad_accum
             if balancer is not None:
                 balancer.observe()
             tokens += n
         par.reduce_grads(model)
+        loss_sum, mtp_sum = float(loss_sum), float(mtp_sum)  # one read of the device per step
         if not math.isfinite(loss_sum):
             raise FloatingPointError(f"loss became {loss_sum} at step {step}; lower --lr or check the data")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

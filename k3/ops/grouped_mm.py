@@ -23,5 +23,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
         offs = counts.cumsum(0).to(torch.int32)
         # fp32 master weights under bf16 autocast are cast here, as autocast does for nn.Linear
         return torch._grouped_mm(x, w.to(torch.bfloat16).transpose(-1, -2), offs=offs)
-    outs = [xe @ w[e].T for e, xe in enumerate(x.split(counts.tolist())) if xe.shape[0]]
+    # unbind, not w[e]: w[e]'s backward writes a zero-filled [E,O,I] gradient per expert (7x the loop's time with
+    # 32 experts on CPU); unbind's writes one
+    ws = w.unbind(0)
+    outs = [xe @ ws[e].T for e, xe in enumerate(x.split(counts.tolist())) if xe.shape[0]]
     return torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..varlen import pack_sequences, unpack_sequences
+from ..varlen import document_ids, pack_sequences, unpack_sequences
 
 __all__ = ["recurrent_kda", "chunk_kda"]
 
@@ -173,6 +173,9 @@ def chunk_kda(
     dtype, cdt = v.dtype, _compute_dtype(v)
     K = q.shape[-1]
     scale = K**-0.5 if scale is None else scale
+    if cu_seqlens is not None and initial_state is None and not output_final_state:  # training's case
+        o = _chunk_kda_packed(*(x.to(cdt) for x in (q, k, v, g, beta)), scale, cu_seqlens, chunk_size, tile)
+        return o.to(dtype), None
     (q, k, v, g, beta), valid, T = _to_batch([x.to(cdt) for x in (q, k, v, g, beta)], cu_seqlens, chunk_size)
     B, Tp, H, _ = q.shape
     Vd, C = v.shape[-1], chunk_size
@@ -205,3 +208,55 @@ def chunk_kda(
     o = o.permute(0, 2, 3, 1, 4).reshape(B, Tp, H, Vd)
     o = _from_batch(o, valid, T).to(dtype)
     return o, (S if output_final_state else None)
+
+
+def _chunk_kda_packed(q, k, v, g, beta, scale, cu_seqlens, C, tile):
+    """chunk_kda of packed documents (B = 1, zero initial states, no final states) WITHOUT padding each document:
+    the packed row is cut into chunks as one sequence and document boundaries become masks.
+
+    Per chunk: pair scores (L, Aqk) only within a document; the carried state S reaches only the rows of the
+    chunk's first document, and only if that document began before the chunk (m_first); the state passed on is
+    the last document's (m_last), and S itself passes through only if one continuing document fills the chunk.
+    Pairwise decays exp(G_i - G_j) of one document do not depend on the gates before it, so one cumsum per
+    chunk serves all of its documents. Work and the sequential chunk loop are those of one T-token sequence,
+    not N x the longest document.
+    """
+    _, T, H, K = q.shape
+    Vd = v.shape[-1]
+    pad = (-T) % C
+    if pad:  # zero padding (g = 0, beta = 0) in a document of its own
+        q, k, v, g, beta = (torch.nn.functional.pad(x, [0, 0] * (x.dim() - 2) + [0, pad]) for x in (q, k, v, g, beta))
+    Tp, n = T + pad, (T + pad) // C
+    doc = document_ids(cu_seqlens, T, q.device)
+    doc = torch.cat([doc, doc.new_full((pad,), int(doc[-1]) + 1 if T else 0)]).view(n, C)  # [n,C]
+    prev = torch.cat([doc.new_full((1,), -1), doc[:-1, -1]])  # [n] the document of the token before each chunk
+    m_first = (doc == doc[:, :1]) & (doc[:, :1] == prev[:, None])  # [n,C] rows that continue the carried state
+    m_last = doc == doc[:, -1:]  # [n,C] rows whose state is passed on
+    carry = (doc[:, 0] == doc[:, -1]) & (doc[:, 0] == prev)  # [n] S passes through the whole chunk
+    same = doc[:, :, None] == doc[:, None, :]  # [n,C,C]
+
+    def chunks(x):  # [1,T,H,*] -> [1,H,n,C,*]
+        return x.view(1, n, C, H, *x.shape[3:]).transpose(1, 3).transpose(2, 3)
+
+    q, k, v, g = chunks(q) * scale, chunks(k), chunks(v), chunks(g)
+    beta = beta.view(1, n, C, H).permute(0, 3, 1, 2)  # [1,H,n,C]
+    G = g.cumsum(-2)  # [1,H,n,C,K]
+    dt = q.dtype
+    eye = torch.eye(C, dtype=dt, device=q.device)
+    L = beta[..., None] * _decay_scores(k, k, G, G, tile, inclusive=False) * same.to(dt)
+    rhs_w = beta[..., None] * (k * G.exp()) * m_first.to(dt)[..., None]
+    W = torch.linalg.solve_triangular(eye + L, rhs_w, upper=False, unitriangular=True)
+    U = torch.linalg.solve_triangular(eye + L, beta[..., None] * v, upper=False, unitriangular=True)
+    Aqk = _decay_scores(q, k, G, G, tile, inclusive=True) * same.to(dt)
+    q_dec = q * G.exp() * m_first.to(dt)[..., None]
+    G_end = G[..., -1:, :]  # [1,H,n,1,K]
+    k_dec = k * (G_end - G).exp() * m_last.to(dt)[..., None]
+    keep = carry.to(dt)
+    S = q.new_zeros(1, H, K, Vd)
+    outs = []
+    for c in range(n):
+        v_new = U[:, :, c] - W[:, :, c] @ S  # [1,H,C,V]
+        outs.append(q_dec[:, :, c] @ S + Aqk[:, :, c] @ v_new)
+        S = S * G_end[:, :, c].transpose(-1, -2).exp() * keep[c] + k_dec[:, :, c].transpose(-1, -2) @ v_new
+    o = torch.stack(outs, dim=2).permute(0, 2, 3, 1, 4).reshape(1, Tp, H, Vd)
+    return o[:, :T]

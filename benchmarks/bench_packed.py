@@ -7,10 +7,10 @@ its padded form on the same rows (`--ops`):
        group (``k3.ops.varlen.length_groups``); peer: every document padded to the longest in one SDPA call
        (``overhead=inf``). The `small` preset's MLA shapes (6 heads, q/k 96, v 64), fp32 as training runs MLA.
        ``work``: the sum over groups of documents x longest^2 over the sum of squared lengths (1.0: no padding).
-  kda  ``k3.ops.kda.reference.chunk_kda`` (the pure-torch reference, the CPU path): the packed row as one chunked
-       sequence with document masks; peer: every document padded to the longest (the path chunk_kda takes when
-       asked for final states, which the peer run asks for). The `small` preset's KDA shapes, fp32 inputs.
-       ``work``: documents x longest over the row's tokens.
+  kda  ``k3.ops.kda.reference.chunk_kda`` (the pure-torch reference, the CPU path): documents in length groups
+       (count x longest, in 64-token chunks); peer: every document padded to the longest in one batch
+       (``group_overhead=inf``). The `small` preset's KDA shapes, fp32 inputs. ``work``: the padded tokens over
+       the row's tokens.
 Forward + backward of the op alone; both forms are exact, ``max err`` is their largest output difference.
 
 Document lengths, per `--lengths`:
@@ -40,7 +40,7 @@ from k3 import K3Config  # noqa: E402
 from k3.data import encode_documents, stdlib_documents, train_tokenizer  # noqa: E402
 from k3.data.packing import PackedDataset  # noqa: E402
 from k3.layers.sequence.mla import attend_documents  # noqa: E402
-from k3.ops.kda.reference import chunk_kda  # noqa: E402
+from k3.ops.kda.reference import GROUP_OVERHEAD_CHUNKS, chunk_kda  # noqa: E402
 from k3.ops.varlen import GROUP_OVERHEAD, length_groups  # noqa: E402
 
 
@@ -79,8 +79,16 @@ def kda_case(cfg, T, dev):
     g, beta = -5.0 * torch.rand(1, T, H, K, device=dev), torch.rand(1, T, H, device=dev)
     xs = [x.requires_grad_() for x in (q, k, v, g, beta)]
     forms = {"now": lambda xs, cu: chunk_kda(*xs, cu_seqlens=cu)[0],
-             "padded": lambda xs, cu: chunk_kda(*xs, cu_seqlens=cu, output_final_state=True)[0]}
-    works = {"now": lambda lens: 1.0, "padded": lambda lens: len(lens) * max(lens) / sum(lens)}
+             "padded": lambda xs, cu: chunk_kda(*xs, cu_seqlens=cu, group_overhead=float("inf"))[0]}
+
+    def work(overhead):
+        def f(lens):
+            C = 64
+            n = [-(-x // C) for x in lens]
+            return sum(len(g) * n[g[0]] * C for g in length_groups(n, overhead, power=1)) / sum(lens)
+        return f
+
+    works = {"now": work(GROUP_OVERHEAD_CHUNKS), "padded": work(float("inf"))}
     return xs, forms, works
 
 

@@ -56,16 +56,17 @@ def same_document(T: int, shift: int, cu_seqlens: torch.Tensor | None, device) -
     return ok
 
 
-def length_groups(lengths: Sequence[int], overhead: float = GROUP_OVERHEAD) -> list[list[int]]:
-    """Documents of ``lengths`` -> groups to run as one padded batch each (causal attention per row), longest
-    first: the partition of the lengths sorted longest first into runs that minimises the sum over groups of
-    (documents x longest^2 + ``overhead``), by dynamic programming. One group is the plain padded batch; with
-    ``overhead=0`` every distinct length gets its own. Returns each group's document indices."""
-    return [list(g) for g in _length_groups(tuple(int(n) for n in lengths), float(overhead))]
+def length_groups(lengths: Sequence[int], overhead: float = GROUP_OVERHEAD, power: int = 2) -> list[list[int]]:
+    """Documents of ``lengths`` -> groups to run as one padded batch each, longest first: the partition of the
+    lengths sorted longest first into runs that minimises the sum over groups of (documents x longest^power +
+    ``overhead``), by dynamic programming. ``power``: 2 for causal attention, 1 for a recurrence. One group is
+    the plain padded batch; with ``overhead=0`` every distinct length gets its own. Returns each group's
+    document indices (documents of length 0 are in none)."""
+    return [list(g) for g in _length_groups(tuple(int(n) for n in lengths), float(overhead), int(power))]
 
 
-@functools.lru_cache(maxsize=16)  # every MLA layer of a forward asks for the same lengths
-def _length_groups(lengths: tuple[int, ...], overhead: float) -> tuple[tuple[int, ...], ...]:
+@functools.lru_cache(maxsize=16)  # every layer of a forward asks for the same lengths
+def _length_groups(lengths: tuple[int, ...], overhead: float, power: int) -> tuple[tuple[int, ...], ...]:
     if any(n < 0 for n in lengths):
         raise ValueError(f"document lengths must be >= 0; got {list(lengths)}")
     order = sorted((i for i, n in enumerate(lengths) if n), key=lambda i: -lengths[i])
@@ -74,7 +75,7 @@ def _length_groups(lengths: tuple[int, ...], overhead: float) -> tuple[tuple[int
         return ()
     if overhead == float("inf"):  # the plain padded batch
         return (tuple(order),)
-    sq = torch.tensor([float(lengths[i]) ** 2 for i in order], dtype=torch.float64)  # longest first
+    sq = torch.tensor([float(lengths[i]) ** power for i in order], dtype=torch.float64)  # longest first
     idx = torch.arange(N, dtype=torch.float64)
     best = torch.zeros(N + 1, dtype=torch.float64)  # best[j]: the first j documents grouped
     cut = [0] * (N + 1)

@@ -84,28 +84,37 @@ def test_packed_documents_reset_state_and_match_separate_calls():
         assert_close(f"packed d{n}", a, b, 5e-4)
 
 
+@pytest.mark.parametrize("with_states", [False, True], ids=["training", "states-in-and-out"])
 @pytest.mark.parametrize("gate_lo", [-0.05, -5.0, -60.0], ids=["long-memory", "gate-floor", "unbounded-gate"])
-def test_packed_chunk_without_states_runs_unpadded_and_matches_the_recurrence(gate_lo):
-    """Training's packed call (no initial or final state) takes the unpadded path (documents as masks in one
-    chunked row): outputs and every gradient equal the packed recurrence. Documents here: shorter than a tile,
-    empty, starting exactly on a chunk boundary, spanning several chunks, ending the row mid-chunk. Gates near 0
-    keep states alive for 100s of tokens, so a state leaking across a boundary shows; gates down to -60 run the
+def test_packed_chunk_by_length_groups_matches_the_recurrence(gate_lo, with_states):
+    """Packed documents run in length groups (several here: a 5-chunk document, 3- and 4-chunk ones, short
+    ones, an empty one, one on a chunk boundary, one ending the row mid-chunk): outputs, final states (an empty
+    document's is its initial state) and every gradient equal the packed recurrence. Gates near 0 keep states
+    alive for 100s of tokens, so a state leaking between documents or groups shows; gates down to -60 run the
     diagonal tiles' masked-exponent branch."""
     torch.manual_seed(0)
     q, k, v, g, beta = [x.requires_grad_() for x in make_inputs(1, 203, 2, 8, 6, torch.float64, gate_lo=gate_lo)]
     cu = torch.tensor([0, 5, 64, 64, 100, 128, 200, 203])
-    o, s = chunk_kda(q, k, v, g, beta, cu_seqlens=cu, chunk_size=16, tile=4)
-    assert s is None
-    o_rec, _ = recurrent_kda(q, k, v, g, beta, cu_seqlens=cu)
+    h0 = torch.randn(7, 2, 8, 6, dtype=torch.float64, requires_grad=True) if with_states else None
+    kw = dict(initial_state=h0, output_final_state=with_states, cu_seqlens=cu)
+    o, s = chunk_kda(q, k, v, g, beta, chunk_size=16, tile=4, **kw)
+    o_rec, s_rec = recurrent_kda(q, k, v, g, beta, **kw)
     assert_close("o", o_rec, o, 1e-12)
+    if with_states:
+        assert_close("final states", s_rec, s, 1e-12)
+        torch.testing.assert_close(s[2], h0[2])  # the empty document
     do = torch.randn_like(o)
-    gc = torch.autograd.grad((o * do).sum(), (q, k, v, g, beta))
-    gr = torch.autograd.grad((o_rec * do).sum(), (q, k, v, g, beta))
-    for n, a, b in zip("qkvgb", gr, gc):
-        assert_close(f"d{n}", a, b, 1e-12)
+    loss_c, loss_r = (o * do).sum(), (o_rec * do).sum()
+    leaves = (q, k, v, g, beta) + ((h0,) if with_states else ())
+    if with_states:
+        ds = torch.randn_like(s)
+        loss_c, loss_r = loss_c + (s * ds).sum(), loss_r + (s_rec * ds).sum()
+    gc, gr = torch.autograd.grad(loss_c, leaves), torch.autograd.grad(loss_r, leaves)
+    for n, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], gr, gc):
+        assert_close(n, a, b, 1e-12)
 
 
-def test_gradcheck_float64_chunk_packed_unpadded():
+def test_gradcheck_float64_chunk_packed():
     q, k, v, g, beta = [x.requires_grad_() for x in make_inputs(1, 13, 1, 3, 2, torch.float64)]
     cu = torch.tensor([0, 3, 11, 13])  # a document across the chunk boundary at 8, one ending the row mid-chunk
     assert torch.autograd.gradcheck(lambda *a: chunk_kda(*a, cu_seqlens=cu, chunk_size=8, tile=4)[0],

@@ -13,8 +13,12 @@ The chunk form never exponentiates a positive number, so neither it nor its back
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from ..varlen import document_ids, pack_sequences, unpack_sequences
+from ..varlen import length_groups, pack_sequences, unpack_sequences
+
+# a length group's fixed cost in chunks of work (its gather, scatter and Python loop), for ``length_groups``
+GROUP_OVERHEAD_CHUNKS = 4
 
 __all__ = ["recurrent_kda", "chunk_kda"]
 
@@ -160,12 +164,18 @@ def chunk_kda(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
     tile: int = 16,
+    group_overhead: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise-parallel KDA (WY representation), exact against ``recurrent_kda``.
 
     Inside a chunk, with G = cumsum(g): L[i,j] = b_i sum_d k_i k_j exp(G_i - G_j) (j < i);
     W = (I + L)^-1 diag(b) (exp(G) * K), U = (I + L)^-1 diag(b) V. Across chunks (sequential):
     V' = U - W S,  O = (Q exp(G)) S + causal(QK decay) V',  S <- exp(G_C) S + (K exp(G_C - G))^T V'.
+
+    Packed documents run as padded rows, documents of similar length together (``length_groups`` with the
+    work of a group = its count x its longest, in chunks): a long document does not pad the short ones.
+    ``group_overhead``: a group's fixed cost in chunks (default ``GROUP_OVERHEAD_CHUNKS``); ``inf`` pads every
+    document to the longest, in one batch.
     """
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     if chunk_size % tile:
@@ -173,12 +183,53 @@ def chunk_kda(
     dtype, cdt = v.dtype, _compute_dtype(v)
     K = q.shape[-1]
     scale = K**-0.5 if scale is None else scale
-    if cu_seqlens is not None and initial_state is None and not output_final_state:  # training's case
-        o = _chunk_kda_packed(*(x.to(cdt) for x in (q, k, v, g, beta)), scale, cu_seqlens, chunk_size, tile)
-        return o.to(dtype), None
-    (q, k, v, g, beta), valid, T = _to_batch([x.to(cdt) for x in (q, k, v, g, beta)], cu_seqlens, chunk_size)
-    B, Tp, H, _ = q.shape
-    Vd, C = v.shape[-1], chunk_size
+    xs = [x.to(cdt) for x in (q, k, v, g, beta)]
+    h0 = initial_state.to(cdt) if initial_state is not None else None
+    if cu_seqlens is None:
+        T = q.shape[1]
+        xs = [F.pad(x, [0, 0] * (x.dim() - 2) + [0, (-T) % chunk_size]) for x in xs]
+        o, S = _chunk_rows(*xs, scale, h0, chunk_size, tile)
+        return o[:, :T].to(dtype), (S if output_final_state else None)
+    overhead = GROUP_OVERHEAD_CHUNKS if group_overhead is None else group_overhead
+    return _chunk_documents(xs, scale, h0, output_final_state, cu_seqlens, chunk_size, tile, dtype, overhead)
+
+
+def _chunk_documents(xs, scale, h0, output_final_state, cu_seqlens, C, tile, dtype, overhead):
+    """Packed documents [1,T,...]: each length group gathered into zero-padded rows (g = 0 keeps the state,
+    beta = 0 writes nothing), run by ``_chunk_rows``, the outputs put back in packed order."""
+    q = xs[0]
+    T, H, Vd = q.shape[1], q.shape[2], xs[2].shape[-1]
+    cu = cu_seqlens.tolist()
+    starts, lens = cu[:-1], [b - a for a, b in zip(cu, cu[1:])]
+    chunks_of = [-(-n // C) for n in lens]  # the work of a document padded to whole chunks
+    finals = list(h0) if h0 is not None else [q.new_zeros(H, q.shape[-1], Vd) for _ in lens]
+    outs, where = [], []
+    for group in length_groups(chunks_of, overhead, power=1):
+        st = torch.tensor([starts[d] for d in group], device=q.device)
+        ln = torch.tensor([lens[d] for d in group], device=q.device)
+        pos = torch.arange(chunks_of[group[0]] * C, device=q.device)  # the group's longest comes first
+        valid = pos[None, :] < ln[:, None]  # [n,Tpad]
+        idx = torch.where(valid, st[:, None] + pos[None, :], 0)
+        rows = [x[0][idx] * valid.view(*valid.shape, *([1] * (x.dim() - 2))).to(x.dtype) for x in xs]
+        o, S = _chunk_rows(*rows, scale, h0[group] if h0 is not None else None, C, tile)
+        outs.append(o[valid])
+        where.append(idx[valid])
+        for j, d in enumerate(group):
+            finals[d] = S[j]
+    if outs:
+        order = torch.cat(where)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(T, device=q.device)
+        o = torch.cat(outs)[inverse][None]
+    else:
+        o = q.new_zeros(1, 0, H, Vd)
+    return o.to(dtype), (torch.stack(finals) if output_final_state else None)
+
+
+def _chunk_rows(q, k, v, g, beta, scale, initial_state, C, tile):
+    """The chunk form on rows [B,Tp,...] (Tp a multiple of C, compute dtype) -> (o [B,Tp,H,V], final state)."""
+    B, Tp, H, K = q.shape
+    Vd = v.shape[-1]
     n = Tp // C
 
     # [B,T,H,*] -> [B,H,n,C,*]
@@ -189,7 +240,7 @@ def chunk_kda(
     beta = beta.view(B, n, C, H).permute(0, 3, 1, 2)  # [B,H,n,C]
     G = g.cumsum(-2)  # [B,H,n,C,K]
 
-    eye = torch.eye(C, dtype=cdt, device=q.device)
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
     L = beta[..., None] * _decay_scores(k, k, G, G, tile, inclusive=False)
     W = torch.linalg.solve_triangular(eye + L, beta[..., None] * (k * G.exp()), upper=False, unitriangular=True)
     U = torch.linalg.solve_triangular(eye + L, beta[..., None] * v, upper=False, unitriangular=True)
@@ -198,65 +249,11 @@ def chunk_kda(
     G_end = G[..., -1:, :]  # [B,H,n,1,K]
     k_dec = k * (G_end - G).exp()
 
-    S = q.new_zeros(B, H, K, Vd) if initial_state is None else initial_state.to(cdt)
+    S = q.new_zeros(B, H, K, Vd) if initial_state is None else initial_state
     outs = []
     for c in range(n):
         v_new = U[:, :, c] - W[:, :, c] @ S  # [B,H,C,V]
         outs.append(q_dec[:, :, c] @ S + Aqk[:, :, c] @ v_new)
         S = S * G_end[:, :, c].transpose(-1, -2).exp() + k_dec[:, :, c].transpose(-1, -2) @ v_new
-    o = torch.stack(outs, dim=2)  # [B,H,n,C,V]
-    o = o.permute(0, 2, 3, 1, 4).reshape(B, Tp, H, Vd)
-    o = _from_batch(o, valid, T).to(dtype)
-    return o, (S if output_final_state else None)
-
-
-def _chunk_kda_packed(q, k, v, g, beta, scale, cu_seqlens, C, tile):
-    """chunk_kda of packed documents (B = 1, zero initial states, no final states) WITHOUT padding each document:
-    the packed row is cut into chunks as one sequence and document boundaries become masks.
-
-    Per chunk: pair scores (L, Aqk) only within a document; the carried state S reaches only the rows of the
-    chunk's first document, and only if that document began before the chunk (m_first); the state passed on is
-    the last document's (m_last), and S itself passes through only if one continuing document fills the chunk.
-    Pairwise decays exp(G_i - G_j) of one document do not depend on the gates before it, so one cumsum per
-    chunk serves all of its documents. Work and the sequential chunk loop are those of one T-token sequence,
-    not N x the longest document.
-    """
-    _, T, H, K = q.shape
-    Vd = v.shape[-1]
-    pad = (-T) % C
-    if pad:  # zero padding (g = 0, beta = 0) in a document of its own
-        q, k, v, g, beta = (torch.nn.functional.pad(x, [0, 0] * (x.dim() - 2) + [0, pad]) for x in (q, k, v, g, beta))
-    Tp, n = T + pad, (T + pad) // C
-    doc = document_ids(cu_seqlens, T, q.device)
-    doc = torch.cat([doc, doc.new_full((pad,), int(doc[-1]) + 1 if T else 0)]).view(n, C)  # [n,C]
-    prev = torch.cat([doc.new_full((1,), -1), doc[:-1, -1]])  # [n] the document of the token before each chunk
-    m_first = (doc == doc[:, :1]) & (doc[:, :1] == prev[:, None])  # [n,C] rows that continue the carried state
-    m_last = doc == doc[:, -1:]  # [n,C] rows whose state is passed on
-    carry = (doc[:, 0] == doc[:, -1]) & (doc[:, 0] == prev)  # [n] S passes through the whole chunk
-    same = doc[:, :, None] == doc[:, None, :]  # [n,C,C]
-
-    def chunks(x):  # [1,T,H,*] -> [1,H,n,C,*]
-        return x.view(1, n, C, H, *x.shape[3:]).transpose(1, 3).transpose(2, 3)
-
-    q, k, v, g = chunks(q) * scale, chunks(k), chunks(v), chunks(g)
-    beta = beta.view(1, n, C, H).permute(0, 3, 1, 2)  # [1,H,n,C]
-    G = g.cumsum(-2)  # [1,H,n,C,K]
-    dt = q.dtype
-    eye = torch.eye(C, dtype=dt, device=q.device)
-    L = beta[..., None] * _decay_scores(k, k, G, G, tile, inclusive=False) * same.to(dt)
-    rhs_w = beta[..., None] * (k * G.exp()) * m_first.to(dt)[..., None]
-    W = torch.linalg.solve_triangular(eye + L, rhs_w, upper=False, unitriangular=True)
-    U = torch.linalg.solve_triangular(eye + L, beta[..., None] * v, upper=False, unitriangular=True)
-    Aqk = _decay_scores(q, k, G, G, tile, inclusive=True) * same.to(dt)
-    q_dec = q * G.exp() * m_first.to(dt)[..., None]
-    G_end = G[..., -1:, :]  # [1,H,n,1,K]
-    k_dec = k * (G_end - G).exp() * m_last.to(dt)[..., None]
-    keep = carry.to(dt)
-    S = q.new_zeros(1, H, K, Vd)
-    outs = []
-    for c in range(n):
-        v_new = U[:, :, c] - W[:, :, c] @ S  # [1,H,C,V]
-        outs.append(q_dec[:, :, c] @ S + Aqk[:, :, c] @ v_new)
-        S = S * G_end[:, :, c].transpose(-1, -2).exp() * keep[c] + k_dec[:, :, c].transpose(-1, -2) @ v_new
-    o = torch.stack(outs, dim=2).permute(0, 2, 3, 1, 4).reshape(1, Tp, H, Vd)
-    return o[:, :T]
+    o = torch.stack(outs, dim=2) if outs else q.new_zeros(B, H, 0, C, Vd)  # [B,H,n,C,V]
+    return o.permute(0, 2, 3, 1, 4).reshape(B, Tp, H, Vd), S

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 __all__ = ["pack_sequences", "unpack_sequences", "document_ids", "same_document", "length_groups",
-           "GROUP_OVERHEAD"]
+           "group_rows", "packed_order", "GROUP_OVERHEAD"]
 
 # a padded group's fixed cost in token^2 (gather, attention call, scatter), against count x longest^2 for its work
 GROUP_OVERHEAD = 512 ** 2
@@ -88,3 +88,22 @@ def _length_groups(lengths: tuple[int, ...], overhead: float, power: int) -> tup
         groups.append(tuple(order[cut[j]:j]))
         j = cut[j]
     return tuple(reversed(groups))
+
+
+def group_rows(starts: Sequence[int], lens: Sequence[int], group: Sequence[int], length: int, device):
+    """The packed positions of a group's documents as right-padded rows: (idx [n,length], valid [n,length]);
+    padding points at position 0 (mask it with ``valid``)."""
+    st = torch.tensor([starts[d] for d in group], device=device)
+    ln = torch.tensor([lens[d] for d in group], device=device)
+    pos = torch.arange(length, device=device)
+    valid = pos[None, :] < ln[:, None]
+    return torch.where(valid, st[:, None] + pos[None, :], 0), valid
+
+
+def packed_order(parts: Sequence[torch.Tensor], where: Sequence[torch.Tensor], T: int, dim: int = 0) -> torch.Tensor:
+    """Rows computed group by group (``parts``, concatenated along ``dim``; ``where``: their packed positions,
+    covering 0..T-1 once) -> the same rows in packed order."""
+    order = torch.cat(list(where))
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(T, device=order.device)
+    return torch.cat(list(parts), dim=dim).index_select(dim, inverse)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...config import K3Config
-from ...ops.varlen import GROUP_OVERHEAD, length_groups
+from ...ops.varlen import GROUP_OVERHEAD, group_rows, length_groups, packed_order
 from ..norm import RMSNorm
 
 
@@ -87,11 +87,7 @@ def attend_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         return o, (max_causal_logit(q, k, scale) if track_max_logit else None)
     outs, where, best = [], [], None
     for group in length_groups(lens, overhead):
-        st = torch.tensor([starts[d] for d in group], device=q.device)
-        ln = torch.tensor([lens[d] for d in group], device=q.device)
-        pos = torch.arange(lens[group[0]], device=q.device)  # the group's longest comes first
-        valid = pos[None, :] < ln[:, None]  # [n,Tpad]
-        idx = torch.where(valid, st[:, None] + pos[None, :], 0)
+        idx, valid = group_rows(starts, lens, group, lens[group[0]], q.device)  # [n,Tpad]; the longest comes first
         qg, kg, vg = (x[0][:, idx].transpose(0, 1) for x in (q, k, v))  # [n,H,Tpad,*]
         if track_max_logit:
             m = max_causal_logit(qg, kg, scale, valid)
@@ -99,10 +95,7 @@ def attend_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale)  # [n,H,Tpad,Dv]
         outs.append(og.transpose(0, 1)[:, valid])  # [H, tokens of the group, Dv]
         where.append(idx[valid])
-    order = torch.cat(where)  # the packed position of every row of the concatenation
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(T, device=q.device)
-    return torch.cat(outs, dim=1)[:, inverse][None], best
+    return packed_order(outs, where, T, dim=1)[None], best
 
 
 class GatedMLA(nn.Module):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..varlen import length_groups, pack_sequences, unpack_sequences
+from ..varlen import group_rows, length_groups, pack_sequences, packed_order, unpack_sequences
 
 # a length group's fixed cost in chunks of work (its gather, scatter and Python loop), for ``length_groups``
 GROUP_OVERHEAD_CHUNKS = 4
@@ -205,24 +205,14 @@ def _chunk_documents(xs, scale, h0, output_final_state, cu_seqlens, C, tile, dty
     finals = list(h0) if h0 is not None else [q.new_zeros(H, q.shape[-1], Vd) for _ in lens]
     outs, where = [], []
     for group in length_groups(chunks_of, overhead, power=1):
-        st = torch.tensor([starts[d] for d in group], device=q.device)
-        ln = torch.tensor([lens[d] for d in group], device=q.device)
-        pos = torch.arange(chunks_of[group[0]] * C, device=q.device)  # the group's longest comes first
-        valid = pos[None, :] < ln[:, None]  # [n,Tpad]
-        idx = torch.where(valid, st[:, None] + pos[None, :], 0)
+        idx, valid = group_rows(starts, lens, group, chunks_of[group[0]] * C, q.device)  # the longest comes first
         rows = [x[0][idx] * valid.view(*valid.shape, *([1] * (x.dim() - 2))).to(x.dtype) for x in xs]
         o, S = _chunk_rows(*rows, scale, h0[group] if h0 is not None else None, C, tile)
         outs.append(o[valid])
         where.append(idx[valid])
         for j, d in enumerate(group):
             finals[d] = S[j]
-    if outs:
-        order = torch.cat(where)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(T, device=q.device)
-        o = torch.cat(outs)[inverse][None]
-    else:
-        o = q.new_zeros(1, 0, H, Vd)
+    o = packed_order(outs, where, T)[None] if outs else q.new_zeros(1, 0, H, Vd)
     return o.to(dtype), (torch.stack(finals) if output_final_state else None)
 
 

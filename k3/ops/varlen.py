@@ -17,14 +17,12 @@ __all__ = ["pack_sequences", "unpack_sequences", "document_ids", "same_document"
 GROUP_OVERHEAD = 512 ** 2
 
 
-def pack_sequences(x: torch.Tensor, cu_seqlens: torch.Tensor, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """[1, T, ...] packed documents -> ([N, Tpad, ...] zero right-padded, valid mask [N, Tpad])."""
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    tmax = int(lens.max()) if lens.numel() else 0
-    tpad = max(multiple, -(-tmax // multiple) * multiple)
-    pos = torch.arange(tpad, device=x.device)
-    valid = pos[None, :] < lens[:, None].to(x.device)  # [N, Tpad]
-    idx = torch.where(valid, cu_seqlens[:-1, None].to(x.device) + pos[None, :], 0)
+def pack_sequences(x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[1, T, ...] packed documents -> ([N, Tpad, ...] zero right-padded, valid mask [N, Tpad]); Tpad is the
+    longest document (at least 1)."""
+    cu = cu_seqlens.tolist()
+    lens = [b - a for a, b in zip(cu, cu[1:])]
+    idx, valid = group_rows(cu[:-1], lens, range(len(lens)), max([1, *lens]), x.device)
     out = x[0][idx]  # [N, Tpad, ...]
     mask = valid.view(*valid.shape, *([1] * (out.dim() - 2)))
     return out * mask.to(out.dtype), valid

@@ -30,12 +30,17 @@ def torchrun(n: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "-m", "k3", "train"]
 
 
-def train_run(cmd, out) -> list[dict]:
-    """Run ``cmd + ARGS --out out`` and return its metrics.jsonl records (the run must succeed)."""
+def run(cmd, out, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run ``cmd + ARGS --out out`` (one OMP thread per process) and return it, whatever its exit status."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if NCCL:
         env.setdefault("K3_KDA_BACKEND", "torch")  # the reference kernels in every run, as in the spawned tests
-    r = subprocess.run(cmd + ARGS + ["--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run(cmd + ARGS + ["--out", str(out)], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def train_run(cmd, out) -> list[dict]:
+    """Run ``cmd + ARGS --out out`` and return its metrics.jsonl records (the run must succeed)."""
+    r = run(cmd, out)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

@@ -4,14 +4,12 @@ With K3_TEST_BACKEND=nccl every run passes ``--device cuda`` (torchrun's ranks t
 and K3_KDA_BACKEND=torch (unless set), the tolerances allow for bf16 autocast (below), and a test of N processes is
 skipped with fewer than N GPUs."""
 
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from .gloo import needs_backend
-from .runs import ARGS, LOAD_ATOL, LOSS_RTOL, ONE, WEIGHT_ATOL, torchrun, train_run as _run
+from .runs import LOAD_ATOL, LOSS_RTOL, ONE, WEIGHT_ATOL, run, torchrun, train_run as _run
 
 
 @pytest.mark.distributed
@@ -48,8 +46,7 @@ def test_init_from_env_follows_the_device_argument(monkeypatch):
 
 @pytest.mark.distributed
 def test_dp_refuses_a_mismatched_process_count(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "k3", "train", "--dp", "2"] + ARGS + ["--out", str(tmp_path / "x")],
-                       capture_output=True, text=True, timeout=300)
+    r = run(ONE + ["--dp", "2"], tmp_path / "x", timeout=300)
     assert r.returncode == 1 and "torchrun --nproc_per_node" in r.stderr
 
 

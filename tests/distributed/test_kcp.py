@@ -12,8 +12,7 @@ import torch
 import torch.distributed as dist
 
 from k3.distributed.kcp import kcp_chunk_kda, kcp_short_conv, local_cu_seqlens
-from k3.ops.kda.cp import (apply_initial_state, intra_device_cp_kda, scan_states, segment_outputs, segment_summary,
-                          segment_transition)
+from k3.ops.kda.cp import apply_initial_state, intra_device_cp_kda, scan_states, segment_outputs, segment_summary
 from k3.ops.kda.reference import chunk_kda, recurrent_kda
 from k3.ops.short_conv import short_conv
 
@@ -62,7 +61,6 @@ def test_segment_summary_is_the_affine_map_of_the_recurrence():
         A = (torch.eye(K, dtype=torch.float64) - bt * kt[..., :, None] * kt[..., None, :]) @ torch.diag_embed(g[:, t].exp())
         M_ref = A @ M_ref
     assert_close("M explicit", M_ref, M, 1e-12)
-    assert_close("segment_transition", M_ref, segment_transition(k, g, beta, chunk_size=C), 1e-12)
     _, S_zero = recurrent_kda(q, k, v, g, beta, output_final_state=True)
     assert_close("S~ zero start", S_zero, S_loc, 1e-12)
 

@@ -11,14 +11,12 @@ gradient scale: (1) compares the gradients themselves, (2) also the logged gradi
 
 import copy
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from .gloo import needs_backend, spawn, test_device
-from .runs import ARGS, ONE, assert_curves_match, assert_same_checkpoint, torchrun, train_run as _run
+from .runs import ONE, assert_curves_match, assert_same_checkpoint, run, torchrun, train_run as _run
 from k3.distributed.expert_parallel import unpermute_experts
 from tests.conftest import assert_close
 
@@ -124,12 +122,9 @@ def test_dp2_x_ep2_reproduces_the_single_process_loss_curve_and_checkpoint(tmp_p
 
 @pytest.mark.distributed
 def test_dp_x_ep_refuses_a_mismatched_process_count(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "k3", "train", "--dp", "2", "--ep", "2"] + ARGS
-                       + ["--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
+    r = run(ONE + ["--dp", "2", "--ep", "2"], tmp_path / "x", timeout=300)
     assert r.returncode == 1 and "--dp 2 x --ep 2 needs 4 processes, 1 are running" in r.stderr, r.stderr[-2000:]
     assert "torchrun --nproc_per_node 4" in r.stderr
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(torchrun(2) + ["--dp", "2", "--ep", "2"] + ARGS
-                       + ["--out", str(tmp_path / "y")], capture_output=True, text=True, env=env, timeout=300)
+    r = run(torchrun(2) + ["--dp", "2", "--ep", "2"], tmp_path / "y", timeout=300)
     assert r.returncode != 0 and "needs 4 processes, 2 are running" in r.stdout + r.stderr, r.stderr[-2000:]
 

@@ -14,13 +14,11 @@ missing factor C would halve every non-expert gradient: (1) compares the gradien
 
 import copy
 import os
-import subprocess
-import sys
 
 import pytest
 
 from .gloo import needs_backend, spawn
-from .runs import ARGS, ONE, assert_curves_match, assert_same_checkpoint, torchrun, train_run as _run
+from .runs import ONE, assert_curves_match, assert_same_checkpoint, run, torchrun, train_run as _run
 from .test_mesh_ep import compare_full_state, compare_gradients, reference
 from .test_mesh_mtp import global_batch
 
@@ -69,7 +67,6 @@ def test_ep2_x_cp2_reproduces_the_single_process_loss_curve_and_checkpoint(tmp_p
 
 @pytest.mark.distributed
 def test_ep_x_cp_refuses_a_mismatched_process_count(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "k3", "train", "--ep", "2", "--cp", "2"] + ARGS
-                       + ["--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
+    r = run(ONE + ["--ep", "2", "--cp", "2"], tmp_path / "x", timeout=300)
     assert r.returncode == 1 and "--dp 1 x --ep 2 x --cp 2 needs 4 processes, 1 are running" in r.stderr, r.stderr[-2000:]
     assert "torchrun --nproc_per_node 4" in r.stderr

@@ -79,7 +79,7 @@ def attend_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     of a group is its count x its longest^2, so one 3000-token document no longer pads forty 50-token ones);
     plain causal SDPA per row is exact (a real query sees only keys at or before it; padding comes after every
     real position). ``overhead=inf`` pads every document to the longest, in one call."""
-    H, T = q.shape[1], q.shape[2]
+    T = q.shape[2]
     cu = _host_list(cu_seqlens)
     starts, lens = cu[:-1], [b - a for a, b in zip(cu, cu[1:])]
     if len(lens) == 1:  # one document: no gather

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from . import chunk_kda as dispatch_chunk_kda
 from . import reference, resolve_backend
 
-__all__ = ["segment_transition", "segment_summary", "segment_outputs", "apply_initial_state", "scan_states",
+__all__ = ["segment_summary", "segment_outputs", "apply_initial_state", "scan_states",
            "intra_device_cp_kda", "chunk_kda_any"]
 
 
@@ -69,14 +69,6 @@ def _identity_states(k: torch.Tensor) -> torch.Tensor:
     B, _, H, K = k.shape
     eye = torch.eye(K, dtype=_state_dtype(k), device=k.device)
     return eye.expand(B, H, K, K).contiguous()  # [B,H,K,K]
-
-
-def segment_transition(k, g, beta, chunk_size=64, backend="auto", lower_bound=None) -> torch.Tensor:
-    """k, g [B,T,H,K], beta [B,T,H] -> M = A_T ... A_1 [B,H,K,K]: the recurrence from S = I with v = 0."""
-    # q is only read by the discarded outputs; passing k avoids allocating a [B,T,H,K] tensor
-    _, M = chunk_kda_any(k, k, torch.zeros_like(k), g, beta, 1.0, _identity_states(k), True,
-                         chunk_size=chunk_size, backend=backend, lower_bound=lower_bound)
-    return M
 
 
 def segment_summary(k, v, g, beta, chunk_size=64, backend="auto", lower_bound=None):

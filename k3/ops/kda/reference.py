@@ -53,24 +53,13 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens):
         )
 
 
-def _to_batch(tensors, cu_seqlens, multiple):
-    """Pad every sequence to a multiple of ``multiple``; zero padding leaves the state untouched
-    (g = 0 keeps it, beta = 0 writes nothing)."""
+def _to_batch(tensors, cu_seqlens):
+    """Packed documents -> one zero right-padded row each (g = 0 keeps the state, beta = 0 writes nothing), and
+    the mask of real positions; unpacked inputs as they are."""
     if cu_seqlens is None:
-        T = tensors[0].shape[1]
-        pad = (-T) % multiple
-        if pad:
-            tensors = [torch.nn.functional.pad(x, [0, 0] * (x.dim() - 2) + [0, pad]) for x in tensors]
-        return tensors, None, T
-    out, valid = [], None
-    for x in tensors:
-        xb, valid = pack_sequences(x, cu_seqlens, multiple)
-        out.append(xb)
-    return out, valid, None
-
-
-def _from_batch(o, valid, T):
-    return unpack_sequences(o, valid) if valid is not None else o[:, :T]
+        return tensors, None
+    rows = [pack_sequences(x, cu_seqlens) for x in tensors]
+    return [r for r, _ in rows], rows[0][1]
 
 
 def recurrent_kda(
@@ -92,7 +81,7 @@ def recurrent_kda(
     dtype, cdt = v.dtype, _compute_dtype(v)
     K = q.shape[-1]
     scale = K**-0.5 if scale is None else scale
-    (q, k, v, g, beta), valid, T = _to_batch([x.to(cdt) for x in (q, k, v, g, beta)], cu_seqlens, 1)
+    (q, k, v, g, beta), valid = _to_batch([x.to(cdt) for x in (q, k, v, g, beta)], cu_seqlens)
     B, Tb, H, _ = q.shape
     S = q.new_zeros(B, H, K, v.shape[-1]) if initial_state is None else initial_state.to(cdt)
     q = q * scale
@@ -104,7 +93,7 @@ def recurrent_kda(
         S = S + torch.einsum("bhk,bhv->bhkv", k_t * beta[:, t, :, None], v_new)
         outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
     o = torch.stack(outs, dim=1) if outs else v.new_zeros(B, 0, H, v.shape[-1])
-    o = _from_batch(o, valid, T).to(dtype)
+    o = (unpack_sequences(o, valid) if valid is not None else o).to(dtype)
     return o, (S if output_final_state else None)
 
 
@@ -202,7 +191,9 @@ def _chunk_documents(xs, scale, h0, output_final_state, cu_seqlens, C, tile, dty
     cu = cu_seqlens.tolist()
     starts, lens = cu[:-1], [b - a for a, b in zip(cu, cu[1:])]
     chunks_of = [-(-n // C) for n in lens]  # the work of a document padded to whole chunks
-    finals = list(h0) if h0 is not None else [q.new_zeros(H, q.shape[-1], Vd) for _ in lens]
+    finals = None  # per document, in order; an empty document's is its initial state
+    if output_final_state:
+        finals = list(h0) if h0 is not None else [q.new_zeros(H, q.shape[-1], Vd)] * len(lens)
     outs, where = [], []
     for group in length_groups(chunks_of, overhead, power=1):
         idx, valid = group_rows(starts, lens, group, chunks_of[group[0]] * C, q.device)  # the longest comes first
@@ -210,10 +201,11 @@ def _chunk_documents(xs, scale, h0, output_final_state, cu_seqlens, C, tile, dty
         o, S = _chunk_rows(*rows, scale, h0[group] if h0 is not None else None, C, tile)
         outs.append(o[valid])
         where.append(idx[valid])
-        for j, d in enumerate(group):
-            finals[d] = S[j]
+        if finals is not None:
+            for j, d in enumerate(group):
+                finals[d] = S[j]
     o = packed_order(outs, where, T)[None] if outs else q.new_zeros(1, 0, H, Vd)
-    return o.to(dtype), (torch.stack(finals) if output_final_state else None)
+    return o.to(dtype), (torch.stack(finals) if finals is not None else None)
 
 
 def _chunk_rows(q, k, v, g, beta, scale, initial_state, C, tile):

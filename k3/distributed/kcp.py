@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops.kda.cp import apply_initial_state, scan_states, segment_outputs
-from ..ops.kda.fla import _fla_ops, fla_build_cp_context, fla_chunk_kda_cp, fla_cp_available
+from ..ops.kda.fla import fla_build_cp_context, fla_chunk_kda_cp, fla_cp_available, fla_dtype_error
 from ..ops.short_conv import short_conv
 
 __all__ = ["kcp_chunk_kda", "kcp_short_conv", "local_cu_seqlens", "equal_split", "kcp_chunk_kda_global",
@@ -263,7 +263,8 @@ def fla_cp_chunk_kda(q, k, v, g, beta, cu_seqlens=None, group=None, scale=None, 
     """
     _check_global_shapes(q, k, v, g, beta, cu_seqlens)
     if not fla_cp_available(q):
-        why = "fla-core does not import here" if _fla_ops() is None else f"the tensors are on {q.device}"
+        why = (f"the tensors are on {q.device}" if not q.is_cuda else fla_dtype_error(q)
+               or "fla-core's fla.ops.cp does not import here")
         raise RuntimeError(f"fla_cp_chunk_kda (impl='fla') needs fla-core with triton on CUDA tensors ({why}); "
                            "kcp_chunk_kda_global / cp_chunk_kda(impl='k3') is the portable path (any device, "
                            "torch or fla local kernels)")

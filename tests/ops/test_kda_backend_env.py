@@ -50,3 +50,25 @@ def test_an_unknown_value_names_the_variable_and_the_choices(monkeypatch, value)
     with pytest.raises(ValueError, match=r"K3_KDA_BACKEND=.*expected one of \('auto', 'torch', 'fla'\)"):
         resolve_backend("auto", torch.zeros(1))
     assert resolve_backend("torch", torch.zeros(1)) == "torch"  # only "auto" reads it
+
+
+def test_fla_takes_only_the_dtypes_its_kernels_compute_in(monkeypatch):
+    """fp64 (the reference's exact mode) never reaches fla-core: "auto" falls back to the reference, and an
+    explicit backend="fla" says what to use instead (under NCCL a rank stuck in Triton would hang the others)."""
+    from types import SimpleNamespace
+
+    from k3.ops.kda import fla
+
+    monkeypatch.setattr(fla, "_fla_ops", lambda: ("chunk", "recurrent"))  # as on a GPU with fla-core
+    for dtype in fla.FLA_DTYPES:
+        assert fla.fla_dtype_error(torch.zeros(1, dtype=dtype)) is None
+        assert fla.fla_available(SimpleNamespace(is_cuda=True, dtype=dtype))
+    assert not fla.fla_available(SimpleNamespace(is_cuda=True, dtype=torch.float64))
+    monkeypatch.delenv("K3_KDA_BACKEND", raising=False)
+    monkeypatch.setattr(kda_ops, "fla_available", fla.fla_available)
+    assert resolve_backend("auto", SimpleNamespace(is_cuda=True, dtype=torch.float64)) == "torch"
+    assert resolve_backend("auto", SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)) == "fla"
+    q = torch.zeros(1, 4, 1, 2, dtype=torch.float64)
+    for call in (fla.fla_chunk_kda, fla.fla_fused_recurrent_kda):
+        with pytest.raises(ValueError, match=r"backend='fla': .*bf16, fp16 or fp32.*not torch.float64.*'torch'"):
+            call(q, q, q, q, q[..., 0])

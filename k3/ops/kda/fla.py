@@ -6,8 +6,8 @@ import functools
 
 import torch
 
-__all__ = ["fla_available", "fla_chunk_kda", "fla_fused_recurrent_kda", "fla_cp_available", "fla_build_cp_context",
-           "fla_chunk_kda_cp"]
+__all__ = ["FLA_DTYPES", "fla_dtype_error", "fla_available", "fla_chunk_kda", "fla_fused_recurrent_kda",
+           "fla_cp_available", "fla_build_cp_context", "fla_chunk_kda_cp"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -19,11 +19,25 @@ def _fla_ops():
     return chunk_kda, fused_recurrent_kda
 
 
+FLA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what fla-core's Triton kernels compute in
+
+
+def fla_dtype_error(x: torch.Tensor) -> str | None:
+    """Why fla-core's kernels cannot take ``x``'s dtype (fp64, integers), or None when they can."""
+    if x.dtype in FLA_DTYPES:
+        return None
+    return (f"fla-core's kernels take bf16, fp16 or fp32 tensors, not {x.dtype}; use the pure-torch reference "
+            "(backend='torch') for fp64")
+
+
 def fla_available(x: torch.Tensor) -> bool:
-    return x.is_cuda and _fla_ops() is not None
+    """fla-core's kernels can run on ``x``: a CUDA tensor of a dtype they compute in, fla-core importable."""
+    return x.is_cuda and fla_dtype_error(x) is None and _fla_ops() is not None
 
 
-def _require():
+def _require(x: torch.Tensor):
+    if (why := fla_dtype_error(x)) is not None:
+        raise ValueError(f"backend='fla': {why}")
     ops = _fla_ops()
     if ops is None:
         raise RuntimeError("backend='fla' needs fla-core and triton on a CUDA device: pip install 'k3[gpu]'")
@@ -32,7 +46,7 @@ def _require():
 
 def fla_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                   cu_seqlens=None, lower_bound=None):
-    chunk, _ = _require()
+    chunk, _ = _require(q)
     # safe_gate: the gate is known to stay above lower_bound, which enables fla's M=16 tensor-core tiles
     return chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
@@ -41,7 +55,7 @@ def fla_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final
 
 def fla_fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                             cu_seqlens=None, lower_bound=None):
-    _, rec = _require()
+    _, rec = _require(q)
     return rec(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
@@ -75,7 +89,7 @@ def fla_build_cp_context(cu_seqlens: torch.Tensor, group):
 def fla_chunk_kda_cp(q, k, v, g, beta, cp_context, scale=None, lower_bound=None):
     """fla's chunk_kda of this rank's slice with its cross-rank state exchange (``cp_context``); returns o only:
     fla supports neither an initial state nor a final state under CP. Same conventions as ``fla_chunk_kda``."""
-    chunk, _ = _require()
+    chunk, _ = _require(q)
     o, _ = chunk(q, k, v, g, beta, scale=scale, cu_seqlens=cp_context.cu_seqlens, cp_context=cp_context,
                  safe_gate=lower_bound is not None, lower_bound=lower_bound)
     return o

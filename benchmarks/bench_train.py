@@ -64,8 +64,10 @@ def corpus_batches(batch: int, T: int, vocab_size: int, max_bytes: int):
     return tok.get_vocab_size(), data.batches(batch)
 
 
-def bench(cfg: K3Config, backend: str, batch: int, T: int, steps: int, device: str, batches=None) -> dict:
-    """One row: ``batches`` (an iterator of packed batches) or None for ``batch`` uniform documents of T tokens."""
+def bench(cfg: K3Config, backend: str, batch: int, T: int, steps: int, device: str, batches=None,
+          profile: int = 0) -> dict:
+    """One row: ``batches`` (an iterator of packed batches) or None for ``batch`` uniform documents of T tokens.
+    ``profile``: after the timed steps, print the ``profile`` kernels/ops of most device time in one more step."""
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg).to(device)
     model.set_kda_backend(backend)
@@ -75,7 +77,7 @@ def bench(cfg: K3Config, backend: str, batch: int, T: int, steps: int, device: s
     ids = torch.randint(0, cfg.vocab_size, (1, batch * T), device=device)
     cu = torch.arange(0, batch * T + 1, T, device=device)  # `batch` documents of T tokens, packed
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
-    docs, sq = [], []  # documents (pieces) per step, their squared lengths' sum
+    docs, sq, load = [], [], []  # documents (pieces) per step, their squared lengths' sum, MoE max/mean load
 
     def step():
         nonlocal ids, cu
@@ -92,7 +94,7 @@ def bench(cfg: K3Config, backend: str, batch: int, T: int, steps: int, device: s
         opt.step()
         opt.zero_grad(set_to_none=True)
         qk_clip_(model, 100.0)
-        bal.step()
+        load.append(bal.step()["load_max_over_mean"])  # the worst layer's routed-token max/mean
         return out["loss"]
 
     for _ in range(3):  # warm-up: fla's autotuning, allocator
@@ -107,9 +109,20 @@ def bench(cfg: K3Config, backend: str, batch: int, T: int, steps: int, device: s
         each.append((time.perf_counter() - t1) * 1e3)
     dt = (time.perf_counter() - t0) / steps
     tokens = batch * T
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with torch_profile(activities=acts) as prof:
+            float(step().detach())
+        key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+        print(f"# profile: {backend}, {'uniform' if batches is None else 'corpus'} documents, one step",
+              flush=True)
+        print(prof.key_averages().table(sort_by=key, row_limit=profile, max_name_column_width=70), flush=True)
     return {"backend": backend, "docs": "uniform" if batches is None else "corpus",
-            "docs_per_step": sum(docs[3:]) / steps, "step_s": dt, "tokens_per_s": tokens / dt,
-            "mfu": flops_per_step(cfg, tokens, sum(sq[3:]) / steps) / dt / PEAK, "loss": loss, "each_step_ms": [round(x, 1) for x in each],
+            "docs_per_step": sum(docs[3:3 + steps]) / steps, "step_s": dt, "tokens_per_s": tokens / dt,
+            "mfu": flops_per_step(cfg, tokens, sum(sq[3:3 + steps]) / steps) / dt / PEAK, "loss": loss,
+            "each_step_ms": [round(x, 1) for x in each], "load_max_over_mean": [round(x, 2) for x in load[3:3 + steps]],
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
 
 
@@ -123,6 +136,8 @@ def main():
     ap.add_argument("--docs", default="uniform", help="comma-separated, of uniform, corpus (see above)")
     ap.add_argument("--vocab-size", type=int, default=32768, help="--docs corpus: the BPE's size (k3 train's default)")
     ap.add_argument("--data-max-bytes", type=int, default=8_000_000, help="--docs corpus: bytes of the corpus")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="print the N ops/kernels of most device time in one extra step per row (torch.profiler)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -135,9 +150,10 @@ def main():
         for b in args.backends.split(","):
             if kind == "corpus":
                 vocab, batches = corpus_batches(args.batch, args.seq_len, args.vocab_size, args.data_max_bytes)
-                row = bench(cfg.replace(vocab_size=vocab), b, args.batch, args.seq_len, args.steps, args.device, batches)
+                row = bench(cfg.replace(vocab_size=vocab), b, args.batch, args.seq_len, args.steps, args.device, batches,
+                            args.profile)
             else:
-                row = bench(cfg, b, args.batch, args.seq_len, args.steps, args.device)
+                row = bench(cfg, b, args.batch, args.seq_len, args.steps, args.device, profile=args.profile)
             rows.append(row)
             print(json.dumps(rows[-1]), flush=True)
     out = {**header(), "preset": args.preset, "batch": args.batch, "seq_len": args.seq_len,

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 __all__ = ["pack_sequences", "unpack_sequences", "document_ids", "same_document", "length_groups",
-           "group_rows", "packed_order", "GROUP_OVERHEAD"]
+           "group_rows", "packed_order", "GroupedDocuments", "grouped_documents", "GROUP_OVERHEAD"]
 
 # a padded group's fixed cost in token^2 (gather, attention call, scatter), against count x longest^2 for its work
 GROUP_OVERHEAD = 512 ** 2
@@ -105,3 +106,55 @@ def packed_order(parts: Sequence[torch.Tensor], where: Sequence[torch.Tensor], T
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(T, device=order.device)
     return torch.cat(list(parts), dim=dim).index_select(dim, inverse)
+
+
+@dataclass(frozen=True)
+class GroupedDocuments:
+    """Packed documents as padded groups, every index the ops need already on the device (no host reads later).
+
+    ``groups``: per group (idx [n,L] the packed position of every row slot, 0 at padding; valid [n,L] bool;
+    take [count] the flat slot index (row * L + t) of the group's real tokens, row by row). ``inverse`` [T]:
+    where each packed position sits in the groups' real tokens concatenated in that order.
+    """
+
+    groups: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]
+    inverse: torch.Tensor
+
+    def gather(self, x: torch.Tensor, group: int, dim: int = 0) -> torch.Tensor:
+        """x's packed positions (along ``dim``) as the group's padded rows: [..., n, L, ...] in place of T."""
+        idx = self.groups[group][0]
+        return x.index_select(dim, idx.flatten()).unflatten(dim, idx.shape)
+
+    def scatter(self, parts: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+        """Per-group outputs with the rows' axes (n, L) flattened at ``dim`` -> packed order: only the real tokens
+        are kept, then every position goes back to its place."""
+        real = [p.index_select(dim, take) for p, (_, _, take) in zip(parts, self.groups)]
+        return torch.cat(real, dim=dim).index_select(dim, self.inverse)
+
+
+def grouped_documents(cu: Sequence[int], overhead: float = GROUP_OVERHEAD, power: int = 2,
+                      device=None) -> GroupedDocuments:
+    """``cu``: the cu_seqlens as host integers. Groups of ``length_groups``; the indices are built on the host and
+    reach ``device`` in one copy (pinned, non-blocking on CUDA), so running the groups never waits on the GPU."""
+    starts, lens = list(cu[:-1]), [b - a for a, b in zip(cu, cu[1:])]
+    T = cu[-1] - cu[0]
+    host, shapes, order = [], [], []
+    for group in length_groups(lens, overhead, power):
+        idx, valid = group_rows(starts, lens, group, lens[group[0]], "cpu")
+        take = valid.flatten().nonzero().squeeze(1)
+        order.append(idx.flatten()[take])
+        host += [idx.flatten(), valid.flatten().long(), take]
+        shapes.append(tuple(idx.shape))
+    inverse = torch.empty(T, dtype=torch.long)
+    if order:
+        inverse[torch.cat(order) - cu[0]] = torch.arange(T)
+    flat = torch.cat([*host, inverse]) if host else inverse
+    device = torch.device(device or "cpu")
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
+    parts = flat.split([h.numel() for h in host] + [T])
+    groups = tuple((parts[3 * i].view(shape), parts[3 * i + 1].view(shape).bool(), parts[3 * i + 2])
+                   for i, shape in enumerate(shapes))
+    return GroupedDocuments(groups, parts[-1])

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...config import K3Config
-from ...ops.varlen import GROUP_OVERHEAD, group_rows, length_groups, packed_order
+from ...ops.varlen import GROUP_OVERHEAD, GroupedDocuments, grouped_documents
 from ..norm import RMSNorm
 
 
@@ -55,19 +55,21 @@ def max_causal_logit(q: torch.Tensor, k: torch.Tensor, scale: float, valid: torc
     return best
 
 
-_HOST: tuple = (None, None, None)  # (weakref to the tensor, its version, its values): the last cu_seqlens read
+_PLAN: tuple = (None, None, None, None)  # (weakref to cu_seqlens, its version, (overhead, device), its plan)
 
 
-def _host_list(t: torch.Tensor) -> list[int]:
-    """``t.tolist()``, read from the device once per tensor: every MLA layer of a forward (and the recompute of
-    activation checkpointing) gets the same cu_seqlens, and each read of a CUDA tensor waits for the GPU."""
-    global _HOST
-    ref, version, values = _HOST
-    if ref is not None and ref() is t and version == t._version:
-        return values
-    values = t.tolist()
-    _HOST = (weakref.ref(t), t._version, values)
-    return values
+def _document_plan(cu_seqlens: torch.Tensor, overhead: float, device) -> tuple[list[int], GroupedDocuments]:
+    """(cu_seqlens as host integers, its length groups' indices on ``device``), built once per tensor: every MLA
+    layer of a forward (the backward, the recompute of activation checkpointing) gets the same cu_seqlens, and
+    each read of a CUDA tensor waits for the GPU. An in-place change of the tensor (its version) rebuilds it."""
+    global _PLAN
+    ref, version, key, plan = _PLAN
+    if ref is not None and ref() is cu_seqlens and version == cu_seqlens._version and key == (overhead, device):
+        return plan
+    cu = cu_seqlens.tolist()
+    plan = (cu, grouped_documents(cu, overhead, 2, device))
+    _PLAN = (weakref.ref(cu_seqlens), cu_seqlens._version, (overhead, device), plan)
+    return plan
 
 
 def attend_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
@@ -78,24 +80,21 @@ def attend_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     Documents of similar length run together as one right-padded batch per group (``length_groups``: the work
     of a group is its count x its longest^2, so one 3000-token document no longer pads forty 50-token ones);
     plain causal SDPA per row is exact (a real query sees only keys at or before it; padding comes after every
-    real position). ``overhead=inf`` pads every document to the longest, in one call."""
-    T = q.shape[2]
-    cu = _host_list(cu_seqlens)
-    starts, lens = cu[:-1], [b - a for a, b in zip(cu, cu[1:])]
-    if len(lens) == 1:  # one document: no gather
+    real position). ``overhead=inf`` pads every document to the longest, in one call. The groups' indices are
+    built once per cu_seqlens tensor (``_document_plan``): no host read of the device per layer or group."""
+    cu, plan = _document_plan(cu_seqlens, overhead, q.device)
+    if len(cu) == 2:  # one document: no gather
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         return o, (max_causal_logit(q, k, scale) if track_max_logit else None)
-    outs, where, best = [], [], None
-    for group in length_groups(lens, overhead):
-        idx, valid = group_rows(starts, lens, group, lens[group[0]], q.device)  # [n,Tpad]; the longest comes first
-        qg, kg, vg = (x[0][:, idx].transpose(0, 1) for x in (q, k, v))  # [n,H,Tpad,*]
+    outs, best = [], None
+    for g, (_, valid, _) in enumerate(plan.groups):
+        qg, kg, vg = (plan.gather(x[0], g, dim=1).transpose(0, 1) for x in (q, k, v))  # [n,H,L,*]
         if track_max_logit:
             m = max_causal_logit(qg, kg, scale, valid)
             best = m if best is None else torch.maximum(best, m)
-        og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale)  # [n,H,Tpad,Dv]
-        outs.append(og.transpose(0, 1)[:, valid])  # [H, tokens of the group, Dv]
-        where.append(idx[valid])
-    return packed_order(outs, where, T, dim=1)[None], best
+        og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale)  # [n,H,L,Dv]
+        outs.append(og.transpose(0, 1).flatten(1, 2))  # [H, n*L, Dv]
+    return plan.scatter(outs, dim=1)[None], best
 
 
 class GatedMLA(nn.Module):

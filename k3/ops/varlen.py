@@ -37,12 +37,11 @@ def unpack_sequences(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 def document_ids(cu_seqlens: torch.Tensor | None, T: int, device) -> torch.Tensor:
     """[T] the document index of every packed position (all zeros without cu_seqlens)."""
-    doc = torch.zeros(T, dtype=torch.long, device=device)
+    doc = torch.zeros(T + 1, dtype=torch.long, device=device)  # slot T takes boundaries at or past the end
     if cu_seqlens is not None:
-        inner = cu_seqlens[1:-1].to(device)
-        inner = inner[inner < T]
+        inner = cu_seqlens[1:-1].to(device).clamp(max=T)  # no boolean mask: it would wait for the GPU
         doc.index_add_(0, inner, torch.ones_like(inner))
-    return doc.cumsum(0)
+    return doc[:T].cumsum(0)
 
 
 def same_document(T: int, shift: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:

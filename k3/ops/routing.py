@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["router_scores", "select_experts"]
+__all__ = ["router_scores", "select_experts", "bincount"]
 
 
 def router_scores(logits: torch.Tensor, score_func: str = "sigmoid") -> torch.Tensor:
@@ -31,3 +31,11 @@ def select_experts(scores: torch.Tensor, bias: torch.Tensor | None, k: int, reno
     if renormalize:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
     return w * scaling, idx
+
+
+def bincount(x: torch.Tensor, n: int) -> torch.Tensor:
+    """int64 [n]: how often each value of ``x`` (any shape, integers in [0, n)) occurs. ``torch.bincount`` on CUDA
+    reads x's max back to the host to size its output, a wait for the GPU in every MoE layer; this never reads.
+    A value outside [0, n) is an index error (on CUDA, a device-side assert)."""
+    flat = x.reshape(-1).long()
+    return torch.zeros(n, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..ops.routing import bincount
+
 __all__ = ["required_bias", "histogram_counts", "quantile_from_histogram", "exact_quantile", "exact_quantile_bias",
            "ExpertBalancer"]
 
@@ -41,7 +43,7 @@ def histogram_counts(r: torch.Tensor, lo: float, hi: float, bins: int) -> torch.
     N, E = r.shape
     b = ((r - lo) * (bins / (hi - lo))).floor_().clamp_(0, bins - 1).long()  # [N,E]
     b += torch.arange(E, device=r.device) * bins  # one flat bin space for all experts
-    return torch.bincount(b.flatten(), minlength=E * bins).view(E, bins)
+    return bincount(b, E * bins).view(E, bins)
 
 
 def quantile_from_histogram(counts: torch.Tensor, lo, hi, q: float) -> torch.Tensor:
@@ -139,16 +141,18 @@ class ExpertBalancer:
                 continue
             scores, idx = x
             router = self.routers[l]
-            self.loads[l] += torch.bincount(idx.flatten(), minlength=self.loads[l].numel())
+            self.loads[l] += bincount(idx, self.loads[l].numel())
             if self.method == "quantile":
                 r = required_bias(scores, router.e_score_correction_bias, router.top_k)  # [N,E]
                 self.hist[l] += histogram_counts(r, *self._range(l), self.bins)
 
     def _range(self, l: int) -> tuple[float, float]:
         """Layer l's histogram range for this step, from its bias at the step's start: r lies in it (s in (0,1))."""
-        if self.ranges[l] is None:  # the bias has not moved since the last step(), so every rank gets the same
-            bias = self.routers[l].e_score_correction_bias
-            self.ranges[l] = (bias.min().item() - 1.0, bias.max().item() + 1.0)
+        if self.ranges[l] is None:  # the biases have not moved since the last step(), so every rank gets the same
+            # every layer's at once: one read of the device per step, not two per layer
+            ext = torch.stack([torch.stack([r.e_score_correction_bias.min(), r.e_score_correction_bias.max()]).double()
+                               for r in self.routers]).tolist()
+            self.ranges = [(lo - 1.0, hi + 1.0) for lo, hi in ext]
         return self.ranges[l]
 
     # the update, per optimizer step
@@ -168,16 +172,19 @@ class ExpertBalancer:
         """Updates every router's bias from the pooled counts; returns the step's load statistics (loads under
         the bias that was in effect during it): {"load_max_over_mean": worst layer, "per_layer": [...]}."""
         self._all_reduce()
-        if all(int(c.sum()) == 0 for c in self.loads):
+        # every layer's token count and max/mean load in one read of the device
+        stats = torch.stack([torch.stack([c.sum().double(), c.max().double() / c.double().mean()])
+                             for c in self.loads]).tolist()
+        if all(total == 0 for total, _ in stats):
             raise RuntimeError("step() found no observed tokens since the last step: call observe() after each "
                                "micro-batch forward")
         per_layer = []
         for l, router in enumerate(self.routers):
             loads = self.loads[l].double()  # [E]
-            if loads.sum() == 0:  # a layer that ran no tokens this step keeps its bias
+            if stats[l][0] == 0:  # a layer that ran no tokens this step keeps its bias
                 per_layer.append(math.nan)
                 continue
-            per_layer.append((loads.max() / loads.mean()).item())
+            per_layer.append(stats[l][1])
             bias = router.e_score_correction_bias
             if self.method == "quantile":
                 b = quantile_from_histogram(self.hist[l], *self._range(l), router.top_k / bias.numel())

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from k3.ops.routing import router_scores, select_experts
@@ -31,3 +32,15 @@ def test_bias_carries_no_gradient_and_scaling_applies():
     torch.testing.assert_close(w.sum(-1), torch.full((8,), 2.5))
     w.pow(2).sum().backward()
     assert bias.grad is None and logits.grad is not None
+
+
+def test_bincount_equals_torch_bincount_and_rejects_values_out_of_range():
+    from k3.ops.routing import bincount
+
+    g = torch.Generator().manual_seed(0)
+    for shape, n in [((7, 4), 9), ((0,), 3), ((100,), 1)]:
+        x = torch.randint(0, n, shape, generator=g)
+        assert torch.equal(bincount(x, n), torch.bincount(x.flatten(), minlength=n))
+        assert bincount(x, n).dtype == torch.int64
+    with pytest.raises((IndexError, RuntimeError)):
+        bincount(torch.tensor([0, 3]), 3)

@@ -14,6 +14,7 @@ from torch import nn
 
 from ...config import K3Config
 from ...ops.grouped_mm import grouped_mm
+from ...ops.routing import bincount
 from ...ops.situ import glu
 from ..norm import RMSNorm
 from .mlp import GatedMLP
@@ -44,7 +45,7 @@ class ExpertBank(nn.Module):
         N, k = idx.shape
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)  # rows grouped by expert
-        counts = torch.bincount(flat, minlength=self.w1.shape[0])
+        counts = bincount(flat, self.w1.shape[0])
         token = order // k
         zs = z[token]  # [M,L]
         h = glu(grouped_mm(zs, self.w1, counts), grouped_mm(zs, self.w3, counts), self.act, self.b1, self.b2)

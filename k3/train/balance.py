@@ -59,9 +59,12 @@ def quantile_from_histogram(counts: torch.Tensor, lo, hi, q: float) -> torch.Ten
     in_bin = counts.gather(-1, j).double()
     before = cum.gather(-1, j) - in_bin
     frac = ((target - before) / in_bin.clamp(min=1)).clamp_(0, 1)
-    lo, hi = (torch.as_tensor(v, dtype=torch.float64, device=counts.device) for v in (lo, hi))
     pos = (j.double() + frac).squeeze(-1)  # [...,E] in bin units
-    value = lo.unsqueeze(-1) + pos * ((hi - lo) / bins).unsqueeze(-1)
+    if isinstance(lo, torch.Tensor) or isinstance(hi, torch.Tensor):
+        lo, hi = (torch.as_tensor(v, dtype=torch.float64, device=counts.device) for v in (lo, hi))
+        value = lo.unsqueeze(-1) + pos * ((hi - lo) / bins).unsqueeze(-1)
+    else:  # Python floats stay scalars: no host-to-device copy (a wait on CUDA) per layer
+        value = float(lo) + pos * ((float(hi) - float(lo)) / bins)
     return value.float().masked_fill(cum[..., -1] == 0, math.nan)
 
 

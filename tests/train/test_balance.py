@@ -93,6 +93,8 @@ def test_histogram_interpolates_inside_the_bin_and_clamps_outside():
     counts = torch.tensor([[0, 2, 2, 0]])  # [E=1,B=4] over [0,4): two values in [1,2), two in [2,3)
     assert quantile_from_histogram(counts, 0.0, 4.0, 0.25).item() == 1.5
     assert quantile_from_histogram(counts, 0.0, 4.0, 0.75).item() == 2.5
+    as_tensors = quantile_from_histogram(counts, torch.tensor(0.0), torch.tensor(4.0), 0.75)  # the tensor path
+    assert torch.equal(as_tensors, quantile_from_histogram(counts, 0.0, 4.0, 0.75))
     assert math.isnan(quantile_from_histogram(torch.zeros(1, 4, dtype=torch.int64), 0.0, 4.0, 0.5).item())
     r = torch.tensor([[-9.0], [0.5], [3.5], [9.0]])
     assert histogram_counts(r, 0.0, 4.0, 4).tolist() == [[2, 0, 0, 2]]

@@ -29,9 +29,9 @@ def short_conv(
     D, W = weight.shape[0], weight.shape[-1]
     if x.shape[-1] != D:
         raise ValueError(f"short_conv: x has {x.shape[-1]} channels, weight has {D}")
-    valid = None
+    rows = None
     if cu_seqlens is not None:
-        x, valid = pack_sequences(x, cu_seqlens)
+        x, rows = pack_sequences(x, cu_seqlens)
     N, T, _ = x.shape
     if state is None:
         state = x.new_zeros(N, D, W - 1)
@@ -43,12 +43,12 @@ def short_conv(
         y = F.silu(y)
     final = None
     if output_final_state:
-        if valid is None:
+        if rows is None:
             final = xt[..., -(W - 1):] if W > 1 else xt[..., :0]
         else:
-            lens = valid.sum(1)  # the last W-1 real inputs sit at [len, len+W-1) of xt
+            lens = rows.valid.sum(1)  # the last W-1 real inputs sit at [len, len+W-1) of xt
             idx = lens[:, None] + torch.arange(W - 1, device=x.device)[None]
             final = xt.gather(2, idx[:, None, :].expand(N, D, W - 1))
-    if valid is not None:
-        y = unpack_sequences(y, valid)
+    if rows is not None:
+        y = unpack_sequences(y, rows)
     return y, final

@@ -6,33 +6,29 @@ Legend: T packed tokens, N documents, Tpad the padded length (the longest docume
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["pack_sequences", "unpack_sequences", "document_ids", "same_document", "length_groups",
-           "group_rows", "packed_order", "GroupedDocuments", "grouped_documents", "GROUP_OVERHEAD"]
+__all__ = ["pack_sequences", "unpack_sequences", "document_ids", "same_document", "length_groups", "PaddedRows",
+           "GroupedDocuments", "padded_documents", "grouped_documents", "cached_plan", "GROUP_OVERHEAD"]
 
 # a padded group's fixed cost in token^2 (gather, attention call, scatter), against count x longest^2 for its work
 GROUP_OVERHEAD = 512 ** 2
 
 
-def pack_sequences(x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[1, T, ...] packed documents -> ([N, Tpad, ...] zero right-padded, valid mask [N, Tpad]); Tpad is the
-    longest document (at least 1)."""
-    cu = cu_seqlens.tolist()
-    lens = [b - a for a, b in zip(cu, cu[1:])]
-    idx, valid = group_rows(cu[:-1], lens, range(len(lens)), max([1, *lens]), x.device)
-    out = x[0][idx]  # [N, Tpad, ...]
-    mask = valid.view(*valid.shape, *([1] * (out.dim() - 2)))
-    return out * mask.to(out.dtype), valid
+def pack_sequences(x: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, PaddedRows]:
+    """[1, T, ...] packed documents -> ([N, Tpad, ...] zero right-padded, in document order; the rows' layout, whose
+    ``valid`` [N, Tpad] marks the real positions). Tpad is the longest document (at least 1)."""
+    rows = cached_plan(cu_seqlens, ("documents", x.device), lambda cu: padded_documents(cu, x.device))
+    return rows.pad(x[0]), rows
 
 
-def unpack_sequences(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def unpack_sequences(x: torch.Tensor, rows: PaddedRows) -> torch.Tensor:
     """Inverse of pack_sequences: [N, Tpad, ...] -> [1, T, ...]."""
-    return x[valid].unsqueeze(0)
-
+    return rows.unpad(x)[None]
 
 
 def document_ids(cu_seqlens: torch.Tensor | None, T: int, device) -> torch.Tensor:
@@ -88,72 +84,106 @@ def _length_groups(lengths: tuple[int, ...], overhead: float, power: int) -> tup
     return tuple(reversed(groups))
 
 
-def group_rows(starts: Sequence[int], lens: Sequence[int], group: Sequence[int], length: int, device):
-    """The packed positions of a group's documents as right-padded rows: (idx [n,length], valid [n,length]);
-    padding points at position 0 (mask it with ``valid``)."""
-    st = torch.tensor([starts[d] for d in group], device=device)
-    ln = torch.tensor([lens[d] for d in group], device=device)
-    pos = torch.arange(length, device=device)
-    valid = pos[None, :] < ln[:, None]
-    return torch.where(valid, st[:, None] + pos[None, :], 0), valid
+@dataclass(frozen=True)
+class PaddedRows:
+    """Packed documents as zero right-padded rows [n, L], everything the ops need already on the device.
 
+    ``documents``: the documents' indices, one per row. ``positions`` [count]: the packed position of every real
+    token, row by row (None: the packed order itself). ``slots`` [count]: its flat slot, row * L + t. ``valid``
+    [n, L]: the real slots. Padding and unpadding move each real token once, by distinct indices: on CUDA,
+    gathering every pad slot from one position made the backward accumulate thousands of repeats of one index,
+    which index_put serialises.
+    """
 
-def packed_order(parts: Sequence[torch.Tensor], where: Sequence[torch.Tensor], T: int, dim: int = 0) -> torch.Tensor:
-    """Rows computed group by group (``parts``, concatenated along ``dim``; ``where``: their packed positions,
-    covering 0..T-1 once) -> the same rows in packed order."""
-    order = torch.cat(list(where))
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(T, device=order.device)
-    return torch.cat(list(parts), dim=dim).index_select(dim, inverse)
+    documents: tuple[int, ...]
+    shape: tuple[int, int]
+    positions: torch.Tensor | None
+    slots: torch.Tensor
+    valid: torch.Tensor
+
+    def pad(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """x with the packed axis (T) at ``dim`` -> the rows [n, L] there, zeros at the padding."""
+        real = x if self.positions is None else x.index_select(dim, self.positions)
+        size = list(x.shape)
+        size[dim] = self.shape[0] * self.shape[1]
+        return x.new_zeros(size).index_copy(dim, self.slots, real).unflatten(dim, self.shape)
+
+    def unpad(self, y: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Rows [n, L] at ``dim``, ``dim + 1`` -> their real tokens [count] at ``dim``, row by row."""
+        return y.flatten(dim, dim + 1).index_select(dim, self.slots)
 
 
 @dataclass(frozen=True)
 class GroupedDocuments:
-    """Packed documents as padded groups, every index the ops need already on the device (no host reads later).
+    """Packed documents in length groups, each a ``PaddedRows``; ``inverse`` [T]: where each packed position sits
+    in the groups' real tokens concatenated in group order."""
 
-    ``groups``: per group (idx [n,L] the packed position of every row slot, 0 at padding; valid [n,L] bool;
-    take [count] the flat slot index (row * L + t) of the group's real tokens, row by row). ``inverse`` [T]:
-    where each packed position sits in the groups' real tokens concatenated in that order.
-    """
-
-    groups: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]
+    groups: tuple[PaddedRows, ...]
     inverse: torch.Tensor
 
-    def gather(self, x: torch.Tensor, group: int, dim: int = 0) -> torch.Tensor:
-        """x's packed positions (along ``dim``) as the group's padded rows: [..., n, L, ...] in place of T."""
-        idx = self.groups[group][0]
-        return x.index_select(dim, idx.flatten()).unflatten(dim, idx.shape)
-
-    def scatter(self, parts: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
-        """Per-group outputs with the rows' axes (n, L) flattened at ``dim`` -> packed order: only the real tokens
-        are kept, then every position goes back to its place."""
-        real = [p.index_select(dim, take) for p, (_, _, take) in zip(parts, self.groups)]
+    def scatter(self, parts, dim: int = 0) -> torch.Tensor:
+        """Per-group outputs (rows [n, L] at ``dim``) -> the packed axis [T] at ``dim``, in packed order."""
+        real = [grp.unpad(p, dim) for grp, p in zip(self.groups, parts)]
         return torch.cat(real, dim=dim).index_select(dim, self.inverse)
 
 
-def grouped_documents(cu: Sequence[int], overhead: float = GROUP_OVERHEAD, power: int = 2,
-                      device=None) -> GroupedDocuments:
-    """``cu``: the cu_seqlens as host integers. Groups of ``length_groups``; the indices are built on the host and
-    reach ``device`` in one copy (pinned, non-blocking on CUDA), so running the groups never waits on the GPU."""
+def _rows_on_host(starts, lens, docs, L):
+    st = torch.tensor([starts[d] for d in docs], dtype=torch.long)
+    ln = torch.tensor([lens[d] for d in docs], dtype=torch.long)
+    pos = torch.arange(L)
+    valid = pos[None, :] < ln[:, None]  # [n, L]
+    slots = valid.flatten().nonzero().squeeze(1)
+    positions = (st[:, None] + pos[None, :]).flatten()[slots]
+    return positions, slots, valid
+
+
+def _to_device(host: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """Host int64 tensors -> the same on ``device``, in one copy (pinned and non-blocking on CUDA)."""
+    flat = torch.cat([h.flatten().long() for h in host]) if host else torch.zeros(0, dtype=torch.long)
+    device = torch.device(device if device is not None else "cpu")
+    flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat.to(device)
+    return [part.view(h.shape) for part, h in zip(flat.split([h.numel() for h in host]), host)]
+
+
+def padded_documents(cu: Sequence[int], device=None) -> PaddedRows:
+    """``cu``: cu_seqlens as host integers -> every document a row, in document order, padded to the longest
+    (at least 1); rows of empty documents are all padding."""
     starts, lens = list(cu[:-1]), [b - a for a, b in zip(cu, cu[1:])]
-    T = cu[-1] - cu[0]
-    host, shapes, order = [], [], []
-    for group in length_groups(lens, overhead, power):
-        idx, valid = group_rows(starts, lens, group, lens[group[0]], "cpu")
-        take = valid.flatten().nonzero().squeeze(1)
-        order.append(idx.flatten()[take])
-        host += [idx.flatten(), valid.flatten().long(), take]
-        shapes.append(tuple(idx.shape))
-    inverse = torch.empty(T, dtype=torch.long)
-    if order:
-        inverse[torch.cat(order) - cu[0]] = torch.arange(T)
-    flat = torch.cat([*host, inverse]) if host else inverse
-    device = torch.device(device or "cpu")
-    if device.type == "cuda":
-        flat = flat.pin_memory().to(device, non_blocking=True)
-    else:
-        flat = flat.to(device)
-    parts = flat.split([h.numel() for h in host] + [T])
-    groups = tuple((parts[3 * i].view(shape), parts[3 * i + 1].view(shape).bool(), parts[3 * i + 2])
-                   for i, shape in enumerate(shapes))
-    return GroupedDocuments(groups, parts[-1])
+    _, slots, valid = _rows_on_host(starts, lens, range(len(lens)), max([1, *lens]))
+    slots, valid = _to_device([slots, valid], device)
+    return PaddedRows(tuple(range(len(lens))), tuple(valid.shape), None, slots, valid.bool())
+
+
+def grouped_documents(cu: Sequence[int], overhead: float = GROUP_OVERHEAD, power: int = 2, device=None,
+                      unit: int = 1) -> GroupedDocuments:
+    """``cu``: cu_seqlens as host integers -> the ``length_groups`` of the documents' lengths in ``unit``s (a
+    group's rows: its longest document, rounded up to whole units); the indices reach ``device`` in one copy,
+    so running the groups never waits for the GPU."""
+    starts, lens = list(cu[:-1]), [b - a for a, b in zip(cu, cu[1:])]
+    units = [-(-n // unit) for n in lens]
+    groups, host = length_groups(units, overhead, power), []
+    for group in groups:
+        host += _rows_on_host(starts, lens, group, units[group[0]] * unit)
+    order = torch.cat(host[0::3]) if groups else torch.zeros(0, dtype=torch.long)
+    inverse = torch.empty(cu[-1], dtype=torch.long)
+    inverse[order] = torch.arange(len(order))
+    dev = _to_device(host + [inverse], device)
+    rows = tuple(PaddedRows(tuple(group), tuple(dev[3 * i + 2].shape), dev[3 * i], dev[3 * i + 1],
+                            dev[3 * i + 2].bool()) for i, group in enumerate(groups))
+    return GroupedDocuments(rows, dev[-1])
+
+
+_PLANS: list = []  # (weakref to a cu_seqlens tensor, its version, key, plan), the most recent last
+
+
+def cached_plan(cu_seqlens: torch.Tensor, key, build):
+    """``build(cu_seqlens.tolist())``, once per (tensor, in-place version, ``key``): every layer of a forward (its
+    backward, the recompute of activation checkpointing) gets the same cu_seqlens, and each read of a CUDA tensor
+    waits for the GPU. Keeps the last 8 plans."""
+    for ref, version, k, plan in reversed(_PLANS):
+        if ref() is cu_seqlens and version == cu_seqlens._version and k == key:
+            return plan
+    plan = build(cu_seqlens.tolist())
+    _PLANS.append((weakref.ref(cu_seqlens), cu_seqlens._version, key, plan))
+    del _PLANS[:-8]
+    return plan

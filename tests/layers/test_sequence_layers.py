@@ -94,37 +94,6 @@ def test_mla_document_groups_equal_attention_per_document(overhead):
         torch.testing.assert_close(b.grad, a.grad, msg=f"d{name}")
 
 
-def test_mla_reads_cu_seqlens_once_per_tensor_and_sees_in_place_changes():
-    from k3.layers.sequence import mla
-
-    cpu = torch.device("cpu")
-    cu = torch.tensor([0, 3, 7])
-    host, plan = mla._document_plan(cu, 0.0, cpu)
-    assert host == [0, 3, 7]
-    assert mla._document_plan(cu, 0.0, cpu)[1] is plan  # cached: one device read per tensor
-    assert mla._document_plan(cu, float("inf"), cpu)[1] is not plan  # another grouping
-    cu[1] = 5  # an in-place change bumps the version: read again
-    assert mla._document_plan(cu, 0.0, cpu)[0] == [0, 5, 7]
-    assert mla._document_plan(torch.tensor([0, 2]), 0.0, cpu)[0] == [0, 2]  # another tensor
-
-
-def test_grouped_documents_indices():
-    """The plan's rows hold each document's positions, padding masked; scatter inverts gather on real tokens."""
-    from k3.ops.varlen import grouped_documents
-
-    cu = [0, 2, 7, 8, 12]  # lengths 2, 5, 1, 4
-    plan = grouped_documents(cu, overhead=0.0)  # every distinct length alone: 4 groups, longest first
-    assert [tuple(g[0].shape) for g in plan.groups] == [(1, 5), (1, 4), (1, 2), (1, 1)]
-    plan = grouped_documents(cu, overhead=float("inf"))  # one padded batch
-    (idx, valid, take), = plan.groups
-    assert idx.tolist() == [[2, 3, 4, 5, 6], [8, 9, 10, 11, 0], [0, 1, 0, 0, 0], [7, 0, 0, 0, 0]]
-    assert valid.sum(1).tolist() == [5, 4, 2, 1]
-    x = torch.arange(12.0) * 10
-    rows = plan.gather(x, 0)  # [4, 5]
-    assert torch.equal(plan.scatter([rows.flatten()]), x)
-    assert take.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 15]
-
-
 def test_mla_packed_documents_need_batch_one():
     cfg = K3Config.preset("tiny")
     with pytest.raises(ValueError, match="batch 1"):

@@ -13,14 +13,12 @@ pre-softmax logit of each head (running max until k3.train.qk_clip resets it), f
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ...config import K3Config
-from ...ops.varlen import GROUP_OVERHEAD, GroupedDocuments, grouped_documents
+from ...ops.varlen import GROUP_OVERHEAD, cached_plan, grouped_documents
 from ..norm import RMSNorm
 
 
@@ -55,23 +53,6 @@ def max_causal_logit(q: torch.Tensor, k: torch.Tensor, scale: float, valid: torc
     return best
 
 
-_PLAN: tuple = (None, None, None, None)  # (weakref to cu_seqlens, its version, (overhead, device), its plan)
-
-
-def _document_plan(cu_seqlens: torch.Tensor, overhead: float, device) -> tuple[list[int], GroupedDocuments]:
-    """(cu_seqlens as host integers, its length groups' indices on ``device``), built once per tensor: every MLA
-    layer of a forward (the backward, the recompute of activation checkpointing) gets the same cu_seqlens, and
-    each read of a CUDA tensor waits for the GPU. An in-place change of the tensor (its version) rebuilds it."""
-    global _PLAN
-    ref, version, key, plan = _PLAN
-    if ref is not None and ref() is cu_seqlens and version == cu_seqlens._version and key == (overhead, device):
-        return plan
-    cu = cu_seqlens.tolist()
-    plan = (cu, grouped_documents(cu, overhead, 2, device))
-    _PLAN = (weakref.ref(cu_seqlens), cu_seqlens._version, (overhead, device), plan)
-    return plan
-
-
 def attend_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
                      track_max_logit: bool = False, overhead: float = GROUP_OVERHEAD):
     """Causal attention within each packed document: q, k [1,H,T,Dk], v [1,H,T,Dv] -> (o [1,H,T,Dv], max logit
@@ -81,19 +62,20 @@ def attend_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     of a group is its count x its longest^2, so one 3000-token document no longer pads forty 50-token ones);
     plain causal SDPA per row is exact (a real query sees only keys at or before it; padding comes after every
     real position). ``overhead=inf`` pads every document to the longest, in one call. The groups' indices are
-    built once per cu_seqlens tensor (``_document_plan``): no host read of the device per layer or group."""
-    cu, plan = _document_plan(cu_seqlens, overhead, q.device)
+    built once per cu_seqlens tensor (``cached_plan``): no host read of the device per layer or group."""
+    cu, plan = cached_plan(cu_seqlens, ("mla", overhead, q.device),
+                           lambda cu: (cu, grouped_documents(cu, overhead, 2, q.device)))
     if len(cu) == 2:  # one document: no gather
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         return o, (max_causal_logit(q, k, scale) if track_max_logit else None)
     outs, best = [], None
-    for g, (_, valid, _) in enumerate(plan.groups):
-        qg, kg, vg = (plan.gather(x[0], g, dim=1).transpose(0, 1) for x in (q, k, v))  # [n,H,L,*]
+    for grp in plan.groups:
+        qg, kg, vg = (grp.pad(x[0], dim=1).transpose(0, 1) for x in (q, k, v))  # [n,H,L,*]
         if track_max_logit:
-            m = max_causal_logit(qg, kg, scale, valid)
+            m = max_causal_logit(qg, kg, scale, grp.valid)
             best = m if best is None else torch.maximum(best, m)
         og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale)  # [n,H,L,Dv]
-        outs.append(og.transpose(0, 1).flatten(1, 2))  # [H, n*L, Dv]
+        outs.append(og.transpose(0, 1))  # [H,n,L,Dv]
     return plan.scatter(outs, dim=1)[None], best
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..varlen import group_rows, length_groups, pack_sequences, packed_order, unpack_sequences
+from ..varlen import cached_plan, grouped_documents, pack_sequences, unpack_sequences
 
 # a length group's fixed cost in chunks of work (its gather, scatter and Python loop), for ``length_groups``
 GROUP_OVERHEAD_CHUNKS = 4
@@ -55,7 +55,7 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens):
 
 def _to_batch(tensors, cu_seqlens):
     """Packed documents -> one zero right-padded row each (g = 0 keeps the state, beta = 0 writes nothing), and
-    the mask of real positions; unpacked inputs as they are."""
+    the rows' layout; unpacked inputs as they are."""
     if cu_seqlens is None:
         return tensors, None
     rows = [pack_sequences(x, cu_seqlens) for x in tensors]
@@ -81,7 +81,7 @@ def recurrent_kda(
     dtype, cdt = v.dtype, _compute_dtype(v)
     K = q.shape[-1]
     scale = K**-0.5 if scale is None else scale
-    (q, k, v, g, beta), valid = _to_batch([x.to(cdt) for x in (q, k, v, g, beta)], cu_seqlens)
+    (q, k, v, g, beta), rows = _to_batch([x.to(cdt) for x in (q, k, v, g, beta)], cu_seqlens)
     B, Tb, H, _ = q.shape
     S = q.new_zeros(B, H, K, v.shape[-1]) if initial_state is None else initial_state.to(cdt)
     q = q * scale
@@ -93,7 +93,7 @@ def recurrent_kda(
         S = S + torch.einsum("bhk,bhv->bhkv", k_t * beta[:, t, :, None], v_new)
         outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
     o = torch.stack(outs, dim=1) if outs else v.new_zeros(B, 0, H, v.shape[-1])
-    o = (unpack_sequences(o, valid) if valid is not None else o).to(dtype)
+    o = (unpack_sequences(o, rows) if rows is not None else o).to(dtype)
     return o, (S if output_final_state else None)
 
 
@@ -187,24 +187,22 @@ def _chunk_documents(xs, scale, h0, output_final_state, cu_seqlens, C, tile, dty
     """Packed documents [1,T,...]: each length group gathered into zero-padded rows (g = 0 keeps the state,
     beta = 0 writes nothing), run by ``_chunk_rows``, the outputs put back in packed order."""
     q = xs[0]
-    T, H, Vd = q.shape[1], q.shape[2], xs[2].shape[-1]
-    cu = cu_seqlens.tolist()
-    starts, lens = cu[:-1], [b - a for a, b in zip(cu, cu[1:])]
-    chunks_of = [-(-n // C) for n in lens]  # the work of a document padded to whole chunks
+    H, Vd = q.shape[2], xs[2].shape[-1]
+    plan = cached_plan(cu_seqlens, ("kda", C, overhead, q.device),
+                       lambda cu: grouped_documents(cu, overhead, 1, q.device, unit=C))  # work: count x longest
+    n_docs = cu_seqlens.numel() - 1
     finals = None  # per document, in order; an empty document's is its initial state
     if output_final_state:
-        finals = list(h0) if h0 is not None else [q.new_zeros(H, q.shape[-1], Vd)] * len(lens)
-    outs, where = [], []
-    for group in length_groups(chunks_of, overhead, power=1):
-        idx, valid = group_rows(starts, lens, group, chunks_of[group[0]] * C, q.device)  # the longest comes first
-        rows = [x[0][idx] * valid.view(*valid.shape, *([1] * (x.dim() - 2))).to(x.dtype) for x in xs]
-        o, S = _chunk_rows(*rows, scale, h0[group] if h0 is not None else None, C, tile)
-        outs.append(o[valid])
-        where.append(idx[valid])
+        finals = list(h0) if h0 is not None else [q.new_zeros(H, q.shape[-1], Vd)] * n_docs
+    outs = []
+    for grp in plan.groups:  # the longest document first
+        rows = [grp.pad(x[0]) for x in xs]  # zero padding: g = 0 keeps the state, beta = 0 writes nothing
+        o, S = _chunk_rows(*rows, scale, h0[list(grp.documents)] if h0 is not None else None, C, tile)
+        outs.append(o)
         if finals is not None:
-            for j, d in enumerate(group):
+            for j, d in enumerate(grp.documents):
                 finals[d] = S[j]
-    o = packed_order(outs, where, T)[None] if outs else q.new_zeros(1, 0, H, Vd)
+    o = plan.scatter(outs)[None] if outs else q.new_zeros(1, 0, H, Vd)
     return o.to(dtype), (torch.stack(finals) if finals is not None else None)
 
 

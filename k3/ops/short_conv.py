@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .varlen import pack_sequences, unpack_sequences
+from .varlen import document_ids
 
 __all__ = ["short_conv"]
 
@@ -29,9 +29,8 @@ def short_conv(
     D, W = weight.shape[0], weight.shape[-1]
     if x.shape[-1] != D:
         raise ValueError(f"short_conv: x has {x.shape[-1]} channels, weight has {D}")
-    rows = None
     if cu_seqlens is not None:
-        x, rows = pack_sequences(x, cu_seqlens)
+        return _packed(x, weight, state, cu_seqlens, output_final_state, activation)
     N, T, _ = x.shape
     if state is None:
         state = x.new_zeros(N, D, W - 1)
@@ -43,12 +42,48 @@ def short_conv(
         y = F.silu(y)
     final = None
     if output_final_state:
-        if rows is None:
-            final = xt[..., -(W - 1):] if W > 1 else xt[..., :0]
-        else:
-            lens = rows.valid.sum(1)  # the last W-1 real inputs sit at [len, len+W-1) of xt
-            idx = lens[:, None] + torch.arange(W - 1, device=x.device)[None]
-            final = xt.gather(2, idx[:, None, :].expand(N, D, W - 1))
-    if rows is not None:
-        y = unpack_sequences(y, rows)
+        final = xt[..., -(W - 1):] if W > 1 else xt[..., :0]
     return y, final
+
+
+def _packed(x, weight, state, cu_seqlens, output_final_state, activation):
+    """Packed documents [1,T,D] without padding: the W taps as shifted copies of the row, each masked where it
+    would reach into the previous document (there the document's initial state, if any, supplies the input).
+    Every index is distinct or small (no gather from one position), nothing is read back to the host, and the
+    work is W passes over the T real tokens, however the documents are cut. Sums in fp32 (fp64 for fp64)."""
+    B, T, D = x.shape
+    W = weight.shape[-1]
+    if B != 1:
+        raise ValueError(f"packed documents (cu_seqlens) come in batch 1; got batch {B}")
+    N = cu_seqlens.numel() - 1
+    if state is not None and state.shape != (N, D, W - 1):
+        raise ValueError(f"short_conv state must be [N,D,W-1] = [{N},{D},{W - 1}] (N = number of documents); "
+                         f"got {tuple(state.shape)}")
+    acc = torch.promote_types(x.dtype, torch.float32)
+    cu = cu_seqlens.to(x.device)
+    starts, lens = cu[:-1], cu[1:] - cu[:-1]
+    rel = torch.arange(T, device=x.device) - starts[document_ids(cu, T, x.device)]  # offset in its document
+    xs, w = x[0].to(acc), weight.view(D, W).to(acc)
+    hist = state.to(acc).transpose(1, 2) if state is not None else None  # [N,W-1,D], oldest first
+    y = xs * w[:, W - 1]  # tap j looks j tokens back, with weight w[:, W-1-j]
+    for j in range(1, W):
+        shifted = F.pad(xs, (0, 0, j, 0))[:T] * (rel >= j)[:, None].to(acc)  # x_{t-j} within the document
+        if hist is not None:  # the first j tokens of every document reach back into its state
+            r = torch.arange(j, device=x.device)
+            dest = (starts[:, None] + r).clamp(max=max(T - 1, 0)).flatten()  # [N*j]
+            keep = (r < lens[:, None]).to(acc)[..., None]  # [N,j,1]: a document shorter than r has no token r
+            shifted = shifted.index_add(0, dest, (hist[:, W - 1 - j:] * keep).flatten(0, 1))
+        y = y + shifted * w[:, W - 1 - j]
+    if activation:
+        y = F.silu(y)
+    final = None
+    if output_final_state:  # per document its last W-1 inputs, oldest first: from x, or from its state before it
+        m = torch.arange(W - 1, device=x.device)
+        pos = cu[1:, None] - (W - 1) + m  # [N,W-1]
+        inside = (pos >= starts[:, None]).to(acc)[..., None]
+        final = xs[pos.clamp(min=0, max=max(T - 1, 0))] * inside
+        if hist is not None:
+            final = final + hist.gather(1, (lens[:, None] + m).clamp(max=max(W - 2, 0))[..., None].expand(
+                -1, -1, D)) * (1 - inside)
+        final = final.transpose(1, 2).to(x.dtype)
+    return y.to(x.dtype)[None], final

@@ -45,3 +45,51 @@ def test_packed_never_crosses_documents():
 def test_bad_state_shape():
     with pytest.raises(ValueError, match="state must be"):
         short_conv(torch.randn(1, 3, 4), torch.randn(4, 1, 4), state=torch.zeros(1, 4, 2))
+
+
+@pytest.mark.parametrize("W", [1, 2, 4])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_packed_without_padding_equals_each_document_alone_with_gradients(W, with_state):
+    """Documents shorter than W-1, one token long, empty, and long ones; outputs, final states and the gradients of
+    x, the weight and the states equal running every document alone."""
+    torch.manual_seed(W)
+    cu = torch.tensor([0, 1, 3, 3, 10, 12, 20])  # lengths 1, 2, 0, 7, 2, 8
+    N, D = len(cu) - 1, 5
+    x = torch.randn(1, 20, D, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(D, 1, W, dtype=torch.float64, requires_grad=True)
+    state = torch.randn(N, D, W - 1, dtype=torch.float64, requires_grad=True) if with_state else None
+    y, s = short_conv(x, w, state=state, cu_seqlens=cu, output_final_state=True)
+    gy, gs = torch.randn_like(y), torch.randn_like(s)
+    ((y * gy).sum() + (s * gs).sum()).backward()
+    leaves = [x, w] + ([state] if with_state else [])
+    grads = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    total = 0
+    for n in range(N):
+        a, b = int(cu[n]), int(cu[n + 1])
+        st = state[n:n + 1] if with_state else None
+        if a == b:  # an empty document keeps its state
+            torch.testing.assert_close(s[n:n + 1], st if with_state else torch.zeros(1, D, W - 1, dtype=x.dtype))
+            total = total + ((st * gs[n:n + 1]).sum() if with_state else 0)
+            continue
+        yn, sn = short_conv(x[:, a:b], w, state=st, output_final_state=True)
+        torch.testing.assert_close(y[:, a:b], yn)
+        torch.testing.assert_close(s[n:n + 1], sn)
+        total = total + (yn * gy[:, a:b]).sum() + (sn * gs[n:n + 1]).sum()
+    total.backward()
+    for name, got, t in zip(["dx", "dw", "dstate"], grads, leaves):
+        torch.testing.assert_close(got, t.grad, msg=name)
+
+
+def test_packed_bf16_sums_in_fp32_and_needs_batch_one():
+    torch.manual_seed(0)
+    x, w, cu = torch.randn(1, 64, 8), torch.randn(8, 1, 4), torch.tensor([0, 30, 64])
+    ref, _ = short_conv(x, w, cu_seqlens=cu)
+    out, _ = short_conv(x.bfloat16(), w.bfloat16(), cu_seqlens=cu)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="batch 1"):
+        short_conv(torch.randn(2, 8, 8), w, cu_seqlens=torch.tensor([0, 8]))
+    with pytest.raises(ValueError, match="number of documents"):
+        short_conv(x, w, state=torch.zeros(3, 8, 3), cu_seqlens=cu)

@@ -1,4 +1,4 @@
-"""Packed documents without padding waste, against padding every document to the longest: MLA and KDA.
+"""Packed documents without padding waste, against padding every document to the longest: MLA, KDA, short conv.
 
 Training packs a batch of `--batch-size` samples of `--seq-len` tokens into one row with `cu_seqlens` (as
 `k3 train` does); attention and the KDA recurrence never cross a document. Two paths are measured, each against
@@ -11,6 +11,10 @@ its padded form on the same rows (`--ops`):
        (count x longest, in 64-token chunks); peer: every document padded to the longest in one batch
        (``group_overhead=inf``). The `small` preset's KDA shapes, fp32 inputs. ``work``: the padded tokens over
        the row's tokens.
+  conv ``k3.ops.short_conv.short_conv`` (KDA's q/k/v convolution, width 4): no padding at all, the taps as
+       shifted copies of the row masked at document starts; peer: every document padded to the longest
+       (``k3.ops.varlen.pack_sequences``), one depthwise ``conv1d``, unpadded. The `small` preset's q width
+       (heads x head dim). ``work``: the padded tokens over the row's tokens.
 Forward + backward of the op alone; both forms are exact, ``max err`` is their largest output difference.
 
 Document lengths, per `--lengths`:
@@ -33,6 +37,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import cpu_time_ms, cuda_time_ms, header  # noqa: E402
@@ -41,7 +46,8 @@ from k3.data import encode_documents, stdlib_documents, train_tokenizer  # noqa:
 from k3.data.packing import PackedDataset  # noqa: E402
 from k3.layers.sequence.mla import attend_documents  # noqa: E402
 from k3.ops.kda.reference import GROUP_OVERHEAD_CHUNKS, chunk_kda  # noqa: E402
-from k3.ops.varlen import GROUP_OVERHEAD, length_groups  # noqa: E402
+from k3.ops.short_conv import short_conv  # noqa: E402
+from k3.ops.varlen import GROUP_OVERHEAD, length_groups, pack_sequences, unpack_sequences  # noqa: E402
 
 
 def document_lengths(kind: str, vocab_size: int, max_bytes: int) -> list[int]:
@@ -92,7 +98,23 @@ def kda_case(cfg, T, dev):
     return xs, forms, works
 
 
-CASES = {"mla": mla_case, "kda": kda_case}
+def conv_case(cfg, T, dev):
+    """The same for the short convolution."""
+    D, W = cfg.kda_num_heads * cfg.kda_head_dim, 4
+    xs = [torch.randn(1, T, D, device=dev, requires_grad=True), torch.randn(D, 1, W, device=dev, requires_grad=True)]
+
+    def padded(xs, cu):
+        x, w = xs
+        rows, layout = pack_sequences(x, cu)  # [N, Tpad, D]
+        y = F.conv1d(F.pad(rows.transpose(1, 2), (W - 1, 0)), w, groups=D).transpose(1, 2)
+        return unpack_sequences(F.silu(y), layout)
+
+    forms = {"now": lambda xs, cu: short_conv(xs[0], xs[1], cu_seqlens=cu)[0], "padded": padded}
+    works = {"now": lambda lens: 1.0, "padded": lambda lens: len(lens) * max(lens) / sum(lens)}
+    return xs, forms, works
+
+
+CASES = {"mla": mla_case, "kda": kda_case, "conv": conv_case}
 
 
 def main():

@@ -59,8 +59,11 @@ def _packed(x, weight, state, cu_seqlens, output_final_state, activation):
     if state is not None and state.shape != (N, D, W - 1):
         raise ValueError(f"short_conv state must be [N,D,W-1] = [{N},{D},{W - 1}] (N = number of documents); "
                          f"got {tuple(state.shape)}")
+    if T == 0:  # nothing to convolve: every (empty) document keeps its state
+        final = (state if state is not None else x.new_zeros(N, D, W - 1)) if output_final_state else None
+        return x, final
     acc = torch.promote_types(x.dtype, torch.float32)
-    cu = cu_seqlens.to(x.device)
+    cu = cu_seqlens.to(x.device, torch.long)
     starts, lens = cu[:-1], cu[1:] - cu[:-1]
     rel = torch.arange(T, device=x.device) - starts[document_ids(cu, T, x.device)]  # offset in its document
     xs, w = x[0].to(acc), weight.view(D, W).to(acc)
@@ -70,7 +73,7 @@ def _packed(x, weight, state, cu_seqlens, output_final_state, activation):
         shifted = F.pad(xs, (0, 0, j, 0))[:T] * (rel >= j)[:, None].to(acc)  # x_{t-j} within the document
         if hist is not None:  # the first j tokens of every document reach back into its state
             r = torch.arange(j, device=x.device)
-            dest = (starts[:, None] + r).clamp(max=max(T - 1, 0)).flatten()  # [N*j]
+            dest = (starts[:, None] + r).clamp(max=T - 1).flatten()  # [N*j]
             keep = (r < lens[:, None]).to(acc)[..., None]  # [N,j,1]: a document shorter than r has no token r
             shifted = shifted.index_add(0, dest, (hist[:, W - 1 - j:] * keep).flatten(0, 1))
         y = y + shifted * w[:, W - 1 - j]
@@ -81,7 +84,7 @@ def _packed(x, weight, state, cu_seqlens, output_final_state, activation):
         m = torch.arange(W - 1, device=x.device)
         pos = cu[1:, None] - (W - 1) + m  # [N,W-1]
         inside = (pos >= starts[:, None]).to(acc)[..., None]
-        final = xs[pos.clamp(min=0, max=max(T - 1, 0))] * inside
+        final = xs[pos.clamp(min=0, max=T - 1)] * inside
         if hist is not None:
             final = final + hist.gather(1, (lens[:, None] + m).clamp(max=max(W - 2, 0))[..., None].expand(
                 -1, -1, D)) * (1 - inside)

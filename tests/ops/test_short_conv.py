@@ -93,3 +93,15 @@ def test_packed_bf16_sums_in_fp32_and_needs_batch_one():
         short_conv(torch.randn(2, 8, 8), w, cu_seqlens=torch.tensor([0, 8]))
     with pytest.raises(ValueError, match="number of documents"):
         short_conv(x, w, state=torch.zeros(3, 8, 3), cu_seqlens=cu)
+
+
+def test_packed_edge_cases_int32_boundaries_and_no_tokens():
+    x, w = torch.randn(1, 9, 4), torch.randn(4, 1, 4)
+    cu64, cu32 = torch.tensor([0, 4, 9]), torch.tensor([0, 4, 9], dtype=torch.int32)
+    state = torch.randn(2, 4, 3)
+    a = short_conv(x, w, state=state, cu_seqlens=cu64, output_final_state=True)
+    b = short_conv(x, w, state=state, cu_seqlens=cu32, output_final_state=True)
+    torch.testing.assert_close(a, b)
+    empty = torch.tensor([0, 0, 0])
+    y, s = short_conv(torch.randn(1, 0, 4), w, state=state, cu_seqlens=empty, output_final_state=True)
+    assert y.shape == (1, 0, 4) and torch.equal(s, state)

@@ -122,7 +122,8 @@ def bench(cfg: K3Config, backend: str, batch: int, T: int, steps: int, device: s
     return {"backend": backend, "docs": "uniform" if batches is None else "corpus",
             "docs_per_step": sum(docs[3:3 + steps]) / steps, "step_s": dt, "tokens_per_s": tokens / dt,
             "mfu": flops_per_step(cfg, tokens, sum(sq[3:3 + steps]) / steps) / dt / PEAK, "loss": loss,
-            "each_step_ms": [round(x, 1) for x in each], "load_max_over_mean": [round(x, 2) for x in load[3:3 + steps]],
+            "each_step_ms": [round(x, 1) for x in each],
+            "load_max_over_mean": [round(x, 2) for x in load[3:3 + steps]],
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
 
 
@@ -150,8 +151,8 @@ def main():
         for b in args.backends.split(","):
             if kind == "corpus":
                 vocab, batches = corpus_batches(args.batch, args.seq_len, args.vocab_size, args.data_max_bytes)
-                row = bench(cfg.replace(vocab_size=vocab), b, args.batch, args.seq_len, args.steps, args.device, batches,
-                            args.profile)
+                row = bench(cfg.replace(vocab_size=vocab), b, args.batch, args.seq_len, args.steps, args.device,
+                            batches, args.profile)
             else:
                 row = bench(cfg, b, args.batch, args.seq_len, args.steps, args.device, profile=args.profile)
             rows.append(row)
@@ -159,7 +160,8 @@ def main():
     out = {**header(), "preset": args.preset, "batch": args.batch, "seq_len": args.seq_len,
            "active_params": count_parameters(cfg)["active"], "rows": rows}
     print(f"\n{args.preset}: {args.batch} x {args.seq_len} tokens per step, active params {out['active_params'] / 1e6:.1f}M")
-    print("| documents | KDA backend | docs/step | step | tokens/s | MFU | peak memory |\n|---|---|---|---|---|---|---|")
+    print("| documents | KDA backend | docs/step | step | tokens/s | MFU | peak memory |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         mem = f"{r['peak_mem_gib']:.1f} GiB" if r["peak_mem_gib"] is not None else "-"
         print(f"| {r['docs']} | {r['backend']} | {r['docs_per_step']:.1f} | {r['step_s'] * 1e3:.0f} ms | "

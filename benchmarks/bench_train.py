@@ -50,16 +50,10 @@ def flops_per_step(cfg: K3Config, tokens: int, sq_tokens: float) -> float:
 
 def corpus_batches(batch: int, T: int, vocab_size: int, max_bytes: int):
     """(vocab, endless batches {"input_ids" [1, batch*T], "cu_seqlens"}) as `k3 train` builds them."""
-    from k3.data import PackedDataset, encode_documents, eos_id, stdlib_documents, train_tokenizer
+    from k3.data import PackedDataset, encode_documents, eos_id, leading_documents, stdlib_documents, train_tokenizer
 
     docs = stdlib_documents(max_bytes)
-    sample, total = [], 0
-    for d in docs:
-        sample.append(d)
-        total += len(d.text)
-        if total >= 2_000_000:
-            break
-    tok = train_tokenizer(sample, vocab_size)
+    tok = train_tokenizer(leading_documents(docs, 2_000_000), vocab_size)
     data = PackedDataset(encode_documents(tok, docs), T, eos_id(tok), shuffle_seed=0)
     return tok.get_vocab_size(), data.batches(batch)
 

@@ -8,11 +8,11 @@
         out = model(**batch, labels=batch["input_ids"])
 """
 
-from .corpus import Document, load_documents, stdlib_documents
+from .corpus import Document, leading_documents, load_documents, stdlib_documents
 from .packing import PackedDataset, pack, pack_stream, split_documents
 from .tokenizer import (EOS, decode, encode, encode_documents, eos_id, load_tokenizer, save_tokenizer,
                         train_tokenizer, unigram_entropy)
 
-__all__ = ["Document", "load_documents", "stdlib_documents", "PackedDataset", "pack", "pack_stream",
+__all__ = ["Document", "leading_documents", "load_documents", "stdlib_documents", "PackedDataset", "pack", "pack_stream",
            "split_documents", "EOS", "decode", "encode", "encode_documents", "eos_id", "load_tokenizer",
            "save_tokenizer", "train_tokenizer", "unigram_entropy"]

@@ -72,6 +72,18 @@ def stdlib_documents(max_bytes: int | None = None) -> list[Document]:
     return docs
 
 
+def leading_documents(documents, max_bytes: int) -> list[Document]:
+    """The first documents, in order, up to and including the one whose text reaches ``max_bytes`` characters in
+    all (a deterministic prefix: what a tokenizer is learned from, or a capped corpus)."""
+    kept, total = [], 0
+    for d in documents:
+        kept.append(d)
+        total += len(d.text)
+        if total >= max_bytes:
+            break
+    return kept
+
+
 def load_documents(path: str | os.PathLike) -> list[Document]:
     """Documents from ``path``: a ``.jsonl`` file (one ``{"text": ...}`` object per line, optional string
     ``"id"``), a directory (every *.txt, *.md, *.py, *.rst below it, sorted; hidden entries skipped; ids are

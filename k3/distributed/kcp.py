@@ -48,6 +48,7 @@ import torch.distributed as dist
 from ..ops.kda.cp import apply_initial_state, scan_states, segment_outputs
 from ..ops.kda.fla import fla_build_cp_context, fla_chunk_kda_cp, fla_cp_available, fla_dtype_error
 from ..ops.short_conv import short_conv
+from ..ops.varlen import cached_plan
 
 __all__ = ["kcp_chunk_kda", "kcp_short_conv", "local_cu_seqlens", "equal_split", "kcp_chunk_kda_global",
            "fla_cp_chunk_kda", "cp_chunk_kda", "CP_IMPLS"]
@@ -116,16 +117,22 @@ def local_cu_seqlens(cu_seqlens: torch.Tensor, start: int, end: int) -> tuple[to
 
 
 def _last_piece_start(T: int, cu_seqlens: torch.Tensor | None, batch: int) -> int:
+    """Where this rank's last local piece starts (0 unpacked), after checking the local boundaries: once per
+    cu_seqlens tensor (``cached_plan``), not in each of a forward's KCP calls."""
     if cu_seqlens is None:
         return 0
     if batch != 1:
         raise ValueError(f"with cu_seqlens the local inputs must be packed into batch 1; got batch {batch}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T:
-        raise ValueError(f"cu_seqlens must be LOCAL to this rank: 1-D, from 0 to T={T}; got {cu_seqlens.tolist()}")
-    if bool((cu_seqlens[1:] <= cu_seqlens[:-1]).any()):
+    return cached_plan(cu_seqlens, ("kcp last piece", T), lambda cu: _checked_last_start(cu, T))
+
+
+def _checked_last_start(cu: list[int], T: int) -> int:
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != T:
+        raise ValueError(f"cu_seqlens must be LOCAL to this rank: 1-D, from 0 to T={T}; got {cu}")
+    if any(b <= a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"local document pieces must be non-empty (strictly increasing cu_seqlens); got "
-                         f"{cu_seqlens.tolist()}. local_cu_seqlens(global_cu, start, end) builds them.")
-    return int(cu_seqlens[-2])
+                         f"{cu}. local_cu_seqlens(global_cu, start, end) builds them.")
+    return cu[-2]
 
 
 def _first_piece_state(state: torch.Tensor, cu_seqlens, continues: bool) -> torch.Tensor:
@@ -263,8 +270,10 @@ def fla_cp_chunk_kda(q, k, v, g, beta, cu_seqlens=None, group=None, scale=None, 
     """
     _check_global_shapes(q, k, v, g, beta, cu_seqlens)
     if not fla_cp_available(q):
-        why = (f"the tensors are on {q.device}" if not q.is_cuda else fla_dtype_error(q)
-               or "fla-core's fla.ops.cp does not import here")
+        if not q.is_cuda:
+            why = f"the tensors are on {q.device}"
+        else:
+            why = fla_dtype_error(q) or "fla-core's fla.ops.cp does not import here"
         raise RuntimeError(f"fla_cp_chunk_kda (impl='fla') needs fla-core with triton on CUDA tensors ({why}); "
                            "kcp_chunk_kda_global / cp_chunk_kda(impl='k3') is the portable path (any device, "
                            "torch or fla local kernels)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .varlen import document_ids
+from .varlen import cached_plan, document_offsets
 
 __all__ = ["short_conv"]
 
@@ -49,8 +49,9 @@ def short_conv(
 def _packed(x, weight, state, cu_seqlens, output_final_state, activation):
     """Packed documents [1,T,D] without padding: the W taps as shifted copies of the row, each masked where it
     would reach into the previous document (there the document's initial state, if any, supplies the input).
-    Every index is distinct or small (no gather from one position), nothing is read back to the host, and the
-    work is W passes over the T real tokens, however the documents are cut. Sums in fp32 (fp64 for fp64)."""
+    Every index is distinct or small (no gather from one position), cu_seqlens is read back once per tensor
+    (``cached_plan``, shared with the other layers), and the work is W passes over the T real tokens, however the
+    documents are cut. Sums in fp32 (fp64 for fp64)."""
     B, T, D = x.shape
     W = weight.shape[-1]
     if B != 1:
@@ -63,9 +64,8 @@ def _packed(x, weight, state, cu_seqlens, output_final_state, activation):
         final = (state if state is not None else x.new_zeros(N, D, W - 1)) if output_final_state else None
         return x, final
     acc = torch.promote_types(x.dtype, torch.float32)
-    cu = cu_seqlens.to(x.device, torch.long)
-    starts, lens = cu[:-1], cu[1:] - cu[:-1]
-    rel = torch.arange(T, device=x.device) - starts[document_ids(cu, T, x.device)]  # offset in its document
+    # every token's offset in its document, built once per cu_seqlens tensor (3 convolutions per KDA layer)
+    rel, starts, lens = cached_plan(cu_seqlens, ("offsets", x.device), lambda cu: _offsets(cu, T, x.device))
     xs, w = x[0].to(acc), weight.view(D, W).to(acc)
     hist = state.to(acc).transpose(1, 2) if state is not None else None  # [N,W-1,D], oldest first
     y = xs * w[:, W - 1]  # tap j looks j tokens back, with weight w[:, W-1-j]
@@ -82,7 +82,7 @@ def _packed(x, weight, state, cu_seqlens, output_final_state, activation):
     final = None
     if output_final_state:  # per document its last W-1 inputs, oldest first: from x, or from its state before it
         m = torch.arange(W - 1, device=x.device)
-        pos = cu[1:, None] - (W - 1) + m  # [N,W-1]
+        pos = (starts + lens)[:, None] - (W - 1) + m  # [N,W-1]
         inside = (pos >= starts[:, None]).to(acc)[..., None]
         final = xs[pos.clamp(min=0, max=T - 1)] * inside
         if hist is not None:
@@ -90,3 +90,9 @@ def _packed(x, weight, state, cu_seqlens, output_final_state, activation):
                 -1, -1, D)) * (1 - inside)
         final = final.transpose(1, 2).to(x.dtype)
     return y.to(x.dtype)[None], final
+
+
+def _offsets(cu, T, device):
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"short_conv: cu_seqlens must rise from 0 to the {T} packed tokens; got {cu}")
+    return document_offsets(cu, device)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["pack_sequences", "unpack_sequences", "document_ids", "same_document", "length_groups", "PaddedRows",
-           "GroupedDocuments", "padded_documents", "grouped_documents", "cached_plan", "GROUP_OVERHEAD"]
+           "GroupedDocuments", "padded_documents", "grouped_documents", "cached_plan", "document_offsets",
+           "GROUP_OVERHEAD"]
 
 # a padded group's fixed cost in token^2 (gather, attention call, scatter), against count x longest^2 for its work
 GROUP_OVERHEAD = 512 ** 2
@@ -173,17 +174,41 @@ def grouped_documents(cu: Sequence[int], overhead: float = GROUP_OVERHEAD, power
     return GroupedDocuments(rows, dev[-1])
 
 
-_PLANS: list = []  # (weakref to a cu_seqlens tensor, its version, key, plan), the most recent last
+_PLANS: list = []  # (weakref to a cu_seqlens tensor, its version, key, value), the most recent last
+_HOST = "host values"  # the key of a tensor's own values, read once and shared by every plan built from it
+
+
+def _lookup(cu_seqlens: torch.Tensor, key):
+    for ref, version, k, value in reversed(_PLANS):
+        if ref() is cu_seqlens and version == cu_seqlens._version and k == key:
+            return value
+    return None
+
+
+def _store(cu_seqlens: torch.Tensor, key, value) -> None:
+    _PLANS.append((weakref.ref(cu_seqlens), cu_seqlens._version, key, value))
+    del _PLANS[:-16]
 
 
 def cached_plan(cu_seqlens: torch.Tensor, key, build):
     """``build(cu_seqlens.tolist())``, once per (tensor, in-place version, ``key``): every layer of a forward (its
     backward, the recompute of activation checkpointing) gets the same cu_seqlens, and each read of a CUDA tensor
-    waits for the GPU. Keeps the last 8 plans."""
-    for ref, version, k, plan in reversed(_PLANS):
-        if ref() is cu_seqlens and version == cu_seqlens._version and k == key:
-            return plan
-    plan = build(cu_seqlens.tolist())
-    _PLANS.append((weakref.ref(cu_seqlens), cu_seqlens._version, key, plan))
-    del _PLANS[:-8]
+    waits for the GPU. The values themselves are read once per tensor, whatever the keys. Keeps the last 16."""
+    plan = _lookup(cu_seqlens, key)
+    if plan is None:
+        host = _lookup(cu_seqlens, _HOST)
+        if host is None:
+            host = cu_seqlens.tolist()
+            _store(cu_seqlens, _HOST, host)
+        plan = build(host)
+        _store(cu_seqlens, key, plan)
     return plan
+
+
+def document_offsets(cu: Sequence[int], device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``cu``: cu_seqlens as host integers -> (offset of every token in its document [T], starts [N], lengths [N]),
+    int64 on ``device`` in one copy."""
+    starts = torch.tensor(cu[:-1], dtype=torch.long)
+    lens = torch.tensor(cu[1:], dtype=torch.long) - starts
+    rel = torch.arange(cu[-1] - cu[0]) - torch.repeat_interleave(starts - cu[0], lens)
+    return tuple(_to_device([rel, starts, lens], device))

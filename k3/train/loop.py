@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from ..config import K3Config
-from ..data import (PackedDataset, encode_documents, eos_id, load_documents, load_tokenizer, save_tokenizer,
-                    split_documents, stdlib_documents, train_tokenizer, unigram_entropy)
+from ..data import (PackedDataset, encode_documents, eos_id, leading_documents, load_documents, load_tokenizer,
+                    save_tokenizer, split_documents, stdlib_documents, train_tokenizer, unigram_entropy)
 from ..model.transformer import K3ForCausalLM
 from .balance import ExpertBalancer
 from .metrics import MetricsLog, Progress
@@ -115,13 +115,7 @@ def resolve_device(name: str) -> torch.device:
 def _documents(cfg: TrainConfig):
     docs = stdlib_documents(cfg.data_max_bytes) if cfg.data is None else load_documents(cfg.data)
     if cfg.data is not None and cfg.data_max_bytes:
-        kept, total = [], 0
-        for d in docs:
-            if total >= cfg.data_max_bytes:
-                break
-            kept.append(d)
-            total += len(d.text)
-        docs = kept
+        docs = leading_documents(docs, cfg.data_max_bytes)
     return docs
 
 
@@ -131,13 +125,8 @@ def _tokenizer(cfg: TrainConfig, train_docs, run: Path, resume_from: Path | None
         if not (run / "tokenizer.json").exists():
             save_tokenizer(tok, run / "tokenizer.json")
         return tok
-    sample, total = [], 0
-    for d in train_docs:  # learn the BPE on a prefix of the training split (deterministic)
-        sample.append(d)
-        total += len(d.text)
-        if total >= cfg.tokenizer_bytes:
-            break
-    tok = train_tokenizer(sample, cfg.vocab_size)
+    # learn the BPE on a prefix of the training split (deterministic)
+    tok = train_tokenizer(leading_documents(train_docs, cfg.tokenizer_bytes), cfg.vocab_size)
     save_tokenizer(tok, run / "tokenizer.json")
     return tok
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from k3.data import Document, load_documents, stdlib_documents
+from k3.data import Document, leading_documents, load_documents, stdlib_documents
 
 
 def test_stdlib_corpus_full():
@@ -78,3 +78,10 @@ def test_load_jsonl_bad_line(tmp_path, bad, what):
     with pytest.raises(ValueError) as e:
         load_documents(f)
     assert "bad.jsonl:3" in str(e.value) and what in str(e.value)
+
+
+def test_leading_documents_stop_at_the_one_that_reaches_the_budget():
+    docs = [Document(str(i), "x" * n) for i, n in enumerate([3, 4, 5, 6])]
+    assert [d.id for d in leading_documents(docs, 7)] == ["0", "1"]  # 3 + 4 reaches 7
+    assert [d.id for d in leading_documents(docs, 8)] == ["0", "1", "2"]  # the one that crosses is kept whole
+    assert [d.id for d in leading_documents(docs, 100)] == ["0", "1", "2", "3"]

@@ -300,7 +300,7 @@ def brute_max_logit(layer, x):
     """Per-head max over causal pairs of q.k * scale, straight from the weights."""
     B, T, _ = x.shape
     pos = torch.arange(T)[None].expand(B, T)
-    q_nope, q_pe = layer._query(x)
+    q_nope, q_pe = layer.queries(x)
     c_kv, k_pe = layer.latent(x, pos)
     if layer.use_rope:
         q_pe = rotary(q_pe, pos, layer.rope_theta)

@@ -81,31 +81,54 @@ class KimiDeltaAttention(nn.Module):
     def _output_gate(self, x):
         return self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
 
+    # The token mixer in three pieces, so that inference (paged, in-place state) and context parallelism
+    # (halo'd convs, KCP) supply only the short convs and the recurrence: projections -> [convs] ->
+    # activations -> [kernel] -> output.
+    def projections(self, x: torch.Tensor):
+        """x [B,T,D] -> q, k, v before their short convs [B,T,H*K] each, the gate's raw input f [B,T,H,K]
+        (before A_log and dt_bias) and the raw beta logits b [B,T,H]."""
+        B, T, _ = x.shape
+        f = self.f_b_proj(self.f_a_proj(x)).view(B, T, self.num_heads, self.head_dim)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x), f, self.b_proj(x)
+
+    def activations(self, q, k, v, f, b):
+        """After the convs: per-head L2-normalised q, k and v [B,T,H,K], log-decay g [B,T,H,K] fp32, beta
+        [B,T,H] fp32."""
+        B, T, _ = q.shape
+        H, K = self.num_heads, self.head_dim
+        g = kda_ops.kda_gate(f, self.A_log, self.dt_bias, self.gate_kind, self.lower_bound)
+        return (l2_norm(q.view(B, T, H, K)), l2_norm(k.view(B, T, H, K)), v.view(B, T, H, K), g,
+                torch.sigmoid(b.float()))
+
+    @property
+    def kernel_lower_bound(self) -> float | None:
+        """The gate's floor as the kernels take it (None for the unbounded softplus gate)."""
+        return self.lower_bound if self.gate_kind == "lower_bound" else None
+
+    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o [B,T,H,K] from the recurrence -> per-head RMSNorm gated by sigmoid(g_proj x) -> o_proj -> [B,T,D]."""
+        B, T, H, K = o.shape
+        o = self.o_norm(o, self._output_gate(x).view(B, T, H, K))
+        return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
+
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, state: KDAState | None = None,
                 output_state: bool = False) -> tuple[torch.Tensor, KDAState | None]:
-        B, T, _ = x.shape
-        H, K = self.num_heads, self.head_dim
+        T = x.shape[1]
         want = output_state or state is not None
-        q, cq = self.q_conv1d(self.q_proj(x), state and state.conv_q, cu_seqlens, want)
-        k, ck = self.k_conv1d(self.k_proj(x), state and state.conv_k, cu_seqlens, want)
-        v, cv = self.v_conv1d(self.v_proj(x), state and state.conv_v, cu_seqlens, want)
-        q, k = l2_norm(q.view(B, T, H, K)), l2_norm(k.view(B, T, H, K))
-        v = v.view(B, T, H, K)
-        g = kda_ops.kda_gate(self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K), self.A_log, self.dt_bias,
-                             self.gate_kind, self.lower_bound)
-        beta = torch.sigmoid(self.b_proj(x).float())
-        lb = self.lower_bound if self.gate_kind == "lower_bound" else None
+        q, k, v, f, b = self.projections(x)
+        q, cq = self.q_conv1d(q, state and state.conv_q, cu_seqlens, want)
+        k, ck = self.k_conv1d(k, state and state.conv_k, cu_seqlens, want)
+        v, cv = self.v_conv1d(v, state and state.conv_v, cu_seqlens, want)
+        q, k, v, g, beta = self.activations(q, k, v, f, b)
         h0 = state.recurrent if state is not None else None
-        if T == 1 and cu_seqlens is None:  # decode: the recurrence itself on a fixed-size state
+        if T == 1 and cu_seqlens is None:  # one token: the recurrence itself on a fixed-size state
             o, hT = kda_ops.recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=want,
-                                          lower_bound=lb, backend=self.backend)
+                                          lower_bound=self.kernel_lower_bound, backend=self.backend)
         else:  # training / prefill: chunkwise-parallel form
-            o, hT = kda_ops.chunk_kda(q, k, v, g, beta,
-                                      initial_state=h0, output_final_state=want, cu_seqlens=cu_seqlens,
-                                      lower_bound=lb, backend=self.backend)
-        o = self.o_norm(o, self._output_gate(x).view(B, T, H, K))
-        y = self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
-        return y, (KDAState(hT, cq, ck, cv) if want else None)
+            o, hT = kda_ops.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=want,
+                                      cu_seqlens=cu_seqlens, lower_bound=self.kernel_lower_bound,
+                                      backend=self.backend)
+        return self.output(o, x), (KDAState(hT, cq, ck, cv) if want else None)
 
 
 class _HeadNorm(nn.Module):

@@ -104,7 +104,8 @@ class GatedMLA(nn.Module):
         self.o_proj = nn.Linear(H * self.dv, D, bias=False)
         self.g_proj = nn.Linear(D, H * self.dv, bias=False) if config.mla_use_output_gate else None
 
-    def _query(self, x):
+    def queries(self, x: torch.Tensor):
+        """x [B,T,D] -> q_nope [B,T,H,Dn], q_pe [B,T,H,Dr] (not rotated)."""
         B, T, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
         q = q.view(B, T, self.num_heads, self.nope + self.pe)
@@ -117,7 +118,8 @@ class GatedMLA(nn.Module):
             k_pe = rotary(k_pe, positions, self.rope_theta)
         return self.kv_a_layernorm(c_kv), k_pe
 
-    def _gate_out(self, x, o):
+    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o [B,T,H*Dv] attention output -> sigmoid(g_proj x) gate -> o_proj -> [B,T,D]."""
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x).float())
         return self.o_proj(o.to(x.dtype))
@@ -129,7 +131,7 @@ class GatedMLA(nn.Module):
         H = self.num_heads
         if self.use_rope and positions is None:
             positions = _positions(B, T, cu_seqlens, x.device)
-        q_nope, q_pe = self._query(x)
+        q_nope, q_pe = self.queries(x)
         c_kv, k_pe = self.latent(x, positions)
         if self.use_rope:
             q_pe = rotary(q_pe, positions, self.rope_theta)
@@ -150,30 +152,38 @@ class GatedMLA(nn.Module):
         if m is not None:
             self.max_logit = m if self.max_logit is None else torch.maximum(self.max_logit, m)
         o = o.transpose(1, 2).reshape(B, T, H * self.dv)  # [B,T,H*Dv]
-        return self._gate_out(x, o)
+        return self.output(o, x)
 
     def absorbed_weights(self):
         """W_uk [H,Dn,R] and W_uv [H,Dv,R], views into kv_b_proj."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.dv, self.rank)
         return w[:, : self.nope], w[:, self.nope:]
 
+    def absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope [B,T,H,Dn] -> q_lat [B,T,H,R] fp32: W_uk folded into the query, so scores are q_lat . c_kv."""
+        w_uk, _ = self.absorbed_weights()
+        return torch.einsum("bthn,hnr->bthr", q_nope.float(), w_uk.float())
+
+    def unabsorb(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """o_lat [B,T,H,R] (attention output in the latent space) -> o [B,T,H*Dv] fp32: W_uv applied after."""
+        B, T = o_lat.shape[:2]
+        _, w_uv = self.absorbed_weights()
+        return torch.einsum("bthr,hvr->bthv", o_lat.float(), w_uv.float()).reshape(B, T, -1)
+
     def attend_absorbed(self, x: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                         mask: torch.Tensor | None, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode path: x [B,T,D] new tokens; c_kv [B,S,R], k_pe [B,S,Dr] the cache INCLUDING the new tokens;
-        mask [B,T,S] boolean (True = may attend) or None for all-visible."""
-        B, T, _ = x.shape
-        q_nope, q_pe = self._query(x)
+        """Latent-space attention: x [B,T,D] new tokens; c_kv [B,S,R], k_pe [B,S,Dr] the cache INCLUDING the new
+        tokens; mask [B,T,S] boolean (True = may attend) or None for all-visible. fp32 throughout."""
+        q_nope, q_pe = self.queries(x)
         if self.use_rope:
             q_pe = rotary(q_pe, positions, self.rope_theta)
-        w_uk, w_uv = self.absorbed_weights()
-        q_lat = torch.einsum("bthn,hnr->bthr", q_nope.float(), w_uk.float())  # query moved into latent space
+        q_lat = self.absorb(q_nope)  # query moved into latent space
         scores = (torch.einsum("bthr,bsr->bhts", q_lat, c_kv.float())
                   + torch.einsum("bthp,bsp->bhts", q_pe.float(), k_pe.float())) * self.scale
         if mask is not None:
             scores = scores.masked_fill(~mask[:, None], float("-inf"))
         o_lat = torch.einsum("bhts,bsr->bthr", scores.softmax(-1), c_kv.float())
-        o = torch.einsum("bthr,hvr->bthv", o_lat, w_uv.float()).reshape(B, T, -1)
-        return self._gate_out(x, o)
+        return self.output(self.unabsorb(o_lat), x)
 
 
 def _positions(B, T, cu_seqlens, device):

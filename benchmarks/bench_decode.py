@@ -104,6 +104,22 @@ def profile_step(engine, n: int = 3) -> dict:
     return {"kernels_per_step": kernels, "gpu_ms_per_step": gpu, "wall_ms_per_step": wall * 1e3, "top": top}
 
 
+def explain_graph_breaks(engine) -> None:
+    """torch._dynamo.explain of the decode forward at batch 2: how many graphs, and why it breaks."""
+    r = engine.runner
+    dev = engine.device
+    args = (torch.zeros(2, dtype=torch.long, device=dev), torch.zeros(2, dtype=torch.int32, device=dev),
+            torch.full((2, 1), engine.pool.scratch, dtype=torch.int32, device=dev),
+            torch.full((2, max(engine.layout.kda_pages, 1)), engine.pool.scratch, dtype=torch.long, device=dev))
+    with torch.no_grad():
+        ex = torch._dynamo.explain(r._decode_logits)(*args)
+    print(f"  dynamo: {ex.graph_count} graph(s), {ex.graph_break_count} break(s)", flush=True)
+    for b in ex.break_reasons[:5]:
+        where = b.user_stack[-1] if b.user_stack else None
+        print(f"    {b.reason.splitlines()[0][:120]} at {where.filename.split('/k3/')[-1]}:{where.lineno}"
+              if where else f"    {b.reason[:120]}", flush=True)
+
+
 def step_bytes(model, layout, batch: int, context: int) -> float:
     """Bytes one decode step must move: weights it reads + cache read (MLA) and read + written (KDA)."""
     c = model.config
@@ -238,6 +254,8 @@ def main():
         need = max(max(batches) * (args.context + args.steps + 16),
                    args.long_batch * (max(longs, default=0) + args.steps + 16), 2 * args.prefix + 4096)
         eng = build_engine(base, dev, dtype, tok, need, max_b)
+        if args.profile:
+            explain_graph_breaks(eng)
         if "k3" in sections:
             for B in batches:
                 rate, dt, top = decode_rate(eng, args.context, B, args.steps, args.profile and B in (1, max(batches)))

@@ -15,7 +15,7 @@ Only the token mixers see across tokens; AttnRes, norms, MoE and the head are pe
   - MLA (``_attend_mla``): this rank's latents (c_kv, k_pe) are all-gathered along time (``gather_sequence``,
     backward: all-reduce of the gathered gradient, then this rank's slice); this rank's queries attend over
     keys [0, end) under a causal + same-document mask in GLOBAL positions, with weight absorption
-    (``GatedMLA.attend_absorbed``, exact in fp32).
+    (``GatedMLA.attend_latent``, exact in fp32).
 
 Loss: ``cp_shifted_targets`` gives each rank its next-token targets (the target of its last token is the next
 rank's first token, ignored across a document boundary); ``cp_loss_sum`` returns (sum, count), and the global
@@ -130,38 +130,33 @@ class ContextParallel:
 
     def _attend_kda(self, attn, x):
         """The KDA layer's own pieces around the halo'd convs and the KCP recurrence."""
-        q, k, v, f, b = attn.projections(x)
+        q, k, v, f, b, gate = attn.projections(x)
         q, k, v = self._conv(q, attn.q_conv1d), self._conv(k, attn.k_conv1d), self._conv(v, attn.v_conv1d)
         q, k, v, g, beta = attn.activations(q, k, v, f, b)
         o, _ = kcp_chunk_kda(q, k, v, g, beta, self.group, cu_seqlens=self.cu_local,
                              first_doc_continues=self.continues, backend=attn.backend,
                              lower_bound=attn.kernel_lower_bound)
-        return attn.output(o, x)
+        return attn.output(o, gate)
 
     def _attend_mla(self, mla, x):
         """This rank's queries over the gathered latents of keys [0, end), absorbed form, global mask."""
         B, T, _ = x.shape
         positions = self.positions.to(x.device).expand(B, T)
-        c_kv, k_pe = mla.latent(x, positions)  # [B,T,R], [B,T,Dr]
-        lat = gather_sequence(torch.cat([c_kv, k_pe], dim=-1), self.group, self.ranges)[:, : self.end]  # [B,S,R+Dr]
-        c_all, pe_all = lat.split([c_kv.shape[-1], k_pe.shape[-1]], dim=-1)
+        inp = mla.project(x, positions)  # latents [B,T,R], [B,T,Dr]
+        lat = gather_sequence(torch.cat([inp.c_kv, inp.k_pe], dim=-1), self.group, self.ranges)[:, : self.end]
+        c_all, pe_all = lat.split([inp.c_kv.shape[-1], inp.k_pe.shape[-1]], dim=-1)  # [B,S,R], [B,S,Dr]
         mask = self.mask.to(x.device).expand(B, T, self.end)
         if getattr(mla, "track_max_logit", False) and mla.training:
-            _record_max_logit(mla, x, c_all, pe_all, mask, positions)
-        return mla.attend_absorbed(x, c_all, pe_all, mask, positions)
+            _record_max_logit(mla, inp, c_all, pe_all, mask)
+        return mla.output(mla.attend_latent(inp, c_all, pe_all, mask), inp.gate)
 
 
 @torch.no_grad()
-def _record_max_logit(mla, x, c_all, pe_all, mask, positions) -> None:
+def _record_max_logit(mla, inp, c_all, pe_all, mask) -> None:
     """QK-clip's statistic under CP: this rank's queries' max pre-softmax logit per head over the keys they see
-    (the training loop takes the MAX over ranks). Same scores as ``attend_absorbed``: [B,H,T,S]."""
-    from ..layers.sequence.mla import rotary
-
-    q_nope, q_pe = mla.queries(x)
-    if mla.use_rope:
-        q_pe = rotary(q_pe, positions, mla.rope_theta)
-    s = (torch.einsum("bthr,bsr->bhts", mla.absorb(q_nope), c_all.float())
-         + torch.einsum("bthp,bsp->bhts", q_pe.float(), pe_all.float())) * mla.scale
+    (the training loop takes the MAX over ranks). Same scores as ``attend_latent``: [B,H,T,S]."""
+    s = (torch.einsum("bthr,bsr->bhts", mla.absorb(inp.q_nope), c_all.float())
+         + torch.einsum("bthp,bsp->bhts", inp.q_pe.float(), pe_all.float())) * mla.scale
     m = s.masked_fill(~mask[:, None], float("-inf")).amax(dim=(0, 2, 3))
     mla.max_logit = m if mla.max_logit is None else torch.maximum(mla.max_logit, m)
 

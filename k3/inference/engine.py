@@ -44,6 +44,7 @@ class EngineConfig:
     dtype: torch.dtype | None = None  # cache dtype; default: the model's
     cuda_graphs: bool | None = None  # default: on for CUDA with a bf16 model
     compile: bool | None = None  # torch.compile the decode forward; default: with CUDA graphs
+    fuse_projections: bool = True  # each layer's projections of one input as one matmul (K3ForCausalLM.fuse_projections)
 
     def __post_init__(self):
         for name in ("num_pages", "page_tokens", "hash_block", "checkpoint_every", "prefill_chunk", "step_tokens",
@@ -74,6 +75,8 @@ class Engine:
                              "its ids past the model's would crash generation; use the tokenizer the model was "
                              "trained with")
         self.model, self.tokenizer, self.cfg, self.model_name = model.eval(), tokenizer, config, model_name
+        if config.fuse_projections:
+            model.fuse_projections()
         self.device = next(model.parameters()).device
         self.layout = PageLayout.from_config(mc, config.page_tokens, config.dtype or next(model.parameters()).dtype)
         self.pool = PagePool(self.layout, config.num_pages, self.device)

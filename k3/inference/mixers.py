@@ -22,10 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from ..layers.sequence.mla import rotary
 from ..ops import kda as kda_ops
 from ..ops.kda.decode import kda_decode
-from ..ops.mla_decode import mla_decode
+from ..ops.mla_decode import mla_decode_append
 from .pool import PagePool
 
 _POOLS: dict[int, PagePool] = {}
@@ -47,7 +46,7 @@ def release_pool(key: int) -> None:
 def kda_decode_paged(x3: torch.Tensor, f: torch.Tensor, b: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor,
                      w_v: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, index: torch.Tensor,
                      pool_key: int, layer: int, gate_kind: str, lower_bound: float, backend: str) -> torch.Tensor:
-    """x3 [B,3,H*K] pre-conv q/k/v, f [B,H,K] raw gate input, b [B,H] raw beta -> o [B,H,K] fp32; the KDA state
+    """x3 [B,3,H*K] pre-conv q/k/v, f [B,H,K] raw gate input, b [B,H] raw beta -> o [B,H,K] (x3's dtype); the KDA state
     of KDA layer ``layer`` of each row (page ``index[b]``) is updated in place in the pool."""
     pool = _POOLS[pool_key]
     return kda_decode(x3, f, b, (w_q, w_k, w_v), A_log, dt_bias, pool.kda_state(layer), pool.kda_conv(layer),
@@ -56,7 +55,7 @@ def kda_decode_paged(x3: torch.Tensor, f: torch.Tensor, b: torch.Tensor, w_q: to
 
 @kda_decode_paged.register_fake
 def _(x3, f, b, w_q, w_k, w_v, A_log, dt_bias, index, pool_key, layer, gate_kind, lower_bound, backend):
-    return f.new_empty(f.shape, dtype=torch.float32)
+    return f.new_empty(f.shape, dtype=x3.dtype)
 
 
 @torch.library.custom_op("k3::mla_decode_paged", mutates_args=())
@@ -65,13 +64,8 @@ def mla_decode_paged(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tens
     """q_lat [B,H,R] fp32, q_pe [B,H,Dr]; latent [B,R+Dr] the new token's; page_table [B,maxP] int32; positions
     [B] the new token's position (= tokens already cached). Writes the latent into its page, then attends over
     positions + 1 tokens in place. Returns o_lat [B,H,R] fp32."""
-    pool = _POOLS[pool_key]
-    cache = pool.mla_view()[:, :, layer]  # [P,Tp,R+Dr], strided
-    Tp = cache.shape[1]
-    pos = positions.long()
-    page = page_table.gather(1, (pos // Tp)[:, None]).squeeze(1).long()
-    cache[page, pos % Tp] = latent.to(cache.dtype)
-    return mla_decode(q_lat, q_pe, cache, page_table, positions + 1, scale)
+    cache = _POOLS[pool_key].mla_view()[:, :, layer]  # [P,Tp,R+Dr], strided
+    return mla_decode_append(q_lat, q_pe, latent, cache, page_table, positions, scale)
 
 
 @mla_decode_paged.register_fake
@@ -94,22 +88,19 @@ class DecodeMixer:
         return self._mla(layer.self_attn, self.mla_slot[layer.layer_idx], x)
 
     def _kda(self, attn, slot: int, x: torch.Tensor) -> torch.Tensor:
-        q, k, v, f, b = attn.projections(x)  # [B,1,HK] x3, [B,1,H,K], [B,1,H]
+        q, k, v, f, b, gate = attn.projections(x)  # [B,1,HK] x3, [B,1,H,K], [B,1,H], [B,1,HK]
         o = torch.ops.k3.kda_decode_paged(
             torch.cat([q, k, v], dim=1), f[:, 0], b[:, 0], attn.q_conv1d.weight, attn.k_conv1d.weight,
             attn.v_conv1d.weight, attn.A_log, attn.dt_bias, self.kda_index[:, slot // self.per_page], self.pool_key,
             slot, attn.gate_kind, float(attn.lower_bound), attn.backend)
-        return attn.output(o[:, None].to(x.dtype), x)
+        return attn.output(o[:, None], gate)
 
     def _mla(self, mla, slot: int, x: torch.Tensor) -> torch.Tensor:
-        q_nope, q_pe = mla.queries(x)
-        pos = self.positions[:, None]
-        c_kv, k_pe = mla.latent(x, pos)
-        if mla.use_rope:
-            q_pe = rotary(q_pe, pos, mla.rope_theta)
-        o_lat = torch.ops.k3.mla_decode_paged(mla.absorb(q_nope)[:, 0], q_pe[:, 0], torch.cat([c_kv, k_pe], -1)[:, 0],
-                                              self.page_table, self.positions, self.pool_key, slot, mla.scale)
-        return mla.output(mla.unabsorb(o_lat[:, None]), x)
+        inp = mla.project(x, self.positions[:, None])
+        o_lat = torch.ops.k3.mla_decode_paged(mla.absorb(inp.q_nope)[:, 0], inp.q_pe[:, 0],
+                                              torch.cat([inp.c_kv, inp.k_pe], -1)[:, 0], self.page_table,
+                                              self.positions, self.pool_key, slot, mla.scale)
+        return mla.output(mla.unabsorb(o_lat[:, None]), inp.gate)
 
 
 class PrefillMixer:
@@ -138,7 +129,7 @@ class PrefillMixer:
         idx = self.kda_index[:, slot // self.pool.layout.records_per_page]
         h0, c0 = state[idx], conv[idx]  # [N,H,K,K] fp32, [N,3,HK,W-1]
         cu = self.cu_seqlens
-        q, k, v, f, b = attn.projections(x)
+        q, k, v, f, b, gate = attn.projections(x)
         q, cq = attn.q_conv1d(q, c0[:, 0], cu, True)
         k, ck = attn.k_conv1d(k, c0[:, 1], cu, True)
         v, cv = attn.v_conv1d(v, c0[:, 2], cu, True)
@@ -147,17 +138,14 @@ class PrefillMixer:
                                   lower_bound=attn.kernel_lower_bound, backend=attn.backend)
         state.index_copy_(0, idx, hT.float())
         conv.index_copy_(0, idx, torch.stack([cq, ck, cv], dim=1).to(conv.dtype))
-        return attn.output(o, x)
+        return attn.output(o, gate)
 
     def _mla(self, mla, slot: int, x: torch.Tensor) -> torch.Tensor:
         cache = self.pool.mla_view()[:, :, slot]  # [P,Tp,R+Dr], strided: indexed by (page, offset), in place
         Tp = cache.shape[1]
-        c_kv, k_pe = mla.latent(x, self.positions)  # [1,T,R], [1,T,Dr]
-        cache[self.slots // Tp, self.slots % Tp] = torch.cat([c_kv, k_pe], dim=-1)[0].to(cache.dtype)
-        q_nope, q_pe = mla.queries(x)
-        if mla.use_rope:
-            q_pe = rotary(q_pe, self.positions, mla.rope_theta)
-        q = torch.cat([q_nope, q_pe], dim=-1)[0]  # [T,H,Dn+Dr]
+        inp = mla.project(x, self.positions)  # latents [1,T,R], [1,T,Dr]
+        cache[self.slots // Tp, self.slots % Tp] = torch.cat([inp.c_kv, inp.k_pe], dim=-1)[0].to(cache.dtype)
+        q = torch.cat([inp.q_nope, inp.q_pe], dim=-1)[0]  # [T,H,Dn+Dr]
         H, R = mla.num_heads, mla.rank
         outs = []
         for i, (s, n) in enumerate(zip(self.starts, self.lengths)):
@@ -171,4 +159,4 @@ class PrefillMixer:
             o = F.scaled_dot_product_attention(qi, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                                attn_mask=mask, is_causal=not s, scale=mla.scale)
             outs.append(o[0].transpose(0, 1).reshape(n, H * mla.dv))
-        return mla.output(torch.cat(outs)[None], x)
+        return mla.output(torch.cat(outs)[None], inp.gate)

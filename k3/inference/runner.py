@@ -62,9 +62,10 @@ class ModelRunner:
         self.use_graphs = capable if cuda_graphs is None else cuda_graphs
         self.compile = self.use_graphs if compile is None else compile
         self.sizes = sorted({s for s in graph_sizes if s < max_batch} | {max_batch})
-        self._forward = self._decode_logits
+        self._forward, self._sample = self._decode_logits, sample
         if self.compile:
             self._forward = torch.compile(self._decode_logits, dynamic=True)
+            self._sample = torch.compile(sample, dynamic=True)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._sample_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         if self.use_graphs:
@@ -148,7 +149,7 @@ class ModelRunner:
     def _sample_eager(self, logits, items) -> dict[str, Sampled]:
         temp, top_k, top_p, seed, step = self._sampling_tensors(items)
         filtered = any(it.sample.top_k > 0 or it.sample.top_p < 1.0 for it in items)
-        packed = _pack(*sample(logits, temp, top_k, top_p, seed, step, filtered)).cpu()
+        packed = _pack(*self._sample(logits, temp, top_k, top_p, seed, step, filtered)).cpu()
         return _unpack(packed, [it.seq_id for it in items], [it.sample.logprobs for it in items])
 
     # ---- CUDA graphs ------------------------------------------------------------------------------------------
@@ -176,8 +177,8 @@ class ModelRunner:
 
     def _graph_sample(self, bs: int, filtered: bool):
         ints, floats = self._ints[:bs], self._floats[:bs]
-        self._result[:bs] = _pack(*sample(self._logits[:bs], floats[:, 0], ints[:, 2], floats[:, 1], ints[:, 3],
-                                          ints[:, 4], filtered))
+        self._result[:bs] = _pack(*self._sample(self._logits[:bs], floats[:, 0], ints[:, 2], floats[:, 1],
+                                                ints[:, 3], ints[:, 4], filtered))
 
     def _capture(self, fn, *args) -> torch.cuda.CUDAGraph:
         stream = torch.cuda.Stream()

@@ -79,6 +79,15 @@ class K3ForCausalLM(nn.Module):
         self.mtp = nn.ModuleList(MTPLayer(config, i) for i in range(config.num_nextn_predict_layers))
         init_weights(self, config.num_hidden_layers)
 
+    def fuse_projections(self) -> "K3ForCausalLM":
+        """For inference: every layer's projections of one input become one matmul (the weights become views of
+        one tensor per layer, nothing is copied; ``k3.layers.fuse``). Used only where no gradient is needed, so
+        training, checkpoints and optimisers see the same parameters. Call it after moving the model."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "fuse_projections") and getattr(m, "in_proj", None) is None:
+                m.fuse_projections()
+        return self
+
     def set_kda_backend(self, backend: str) -> None:
         """"auto" (fla-core on CUDA when importable), "torch" (the reference) or "fla", for every KDA layer."""
         from ..ops.kda import BACKENDS

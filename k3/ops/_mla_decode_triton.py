@@ -14,14 +14,14 @@ import triton.language as tl
 @triton.jit
 def _partial_kernel(Q, QPE, CACHE, PT, LEN, O, LSE,
                     stride_qb, stride_qh, stride_pb, stride_ph, stride_cp, stride_ct, stride_ptb,
-                    stride_ob, stride_os, stride_oh, stride_lb, stride_ls, scale, H,
+                    stride_ob, stride_os, stride_oh, stride_lb, stride_ls, scale, H, LEN_OFFSET,
                     R: tl.constexpr, DR: tl.constexpr, TP: tl.constexpr, SPLITS: tl.constexpr,
                     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
                     DOT_PREC: tl.constexpr):
     b = tl.program_id(0)
     s = tl.program_id(1)
     hb = tl.program_id(2)
-    n = tl.load(LEN + b).to(tl.int32)
+    n = tl.load(LEN + b).to(tl.int32) + LEN_OFFSET
     per = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N  # this row's slice length, whole inner steps
     start = s * per
     end = tl.minimum(start + per, n)
@@ -76,8 +76,29 @@ def _combine_kernel(O, LSE, OUT, stride_ob, stride_os, stride_oh, stride_lb, str
     tl.store(OUT + b * stride_outb + h * stride_outh + offs_r, tl.sum(w[:, None] * o, 0), mask=mr)
 
 
-def mla_decode_kernels(q_lat, q_pe, cache, page_table, lengths, scale, splits, block_h, block_n, block_r,
-                       block_dr) -> torch.Tensor:
+@triton.jit
+def _write_kernel(LAT, CACHE, PT, POS, stride_lb, stride_cp, stride_ct, stride_ptb, D, TP: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    m = offs < D
+    pos = tl.load(POS + b).to(tl.int64)
+    page = tl.load(PT + b * stride_ptb + pos // TP).to(tl.int64)
+    x = tl.load(LAT + b * stride_lb + offs, mask=m, other=0.0)
+    tl.store(CACHE + page * stride_cp + (pos % TP) * stride_ct + offs, x.to(CACHE.dtype.element_ty), mask=m)
+
+
+def write_latents(latent, cache, page_table, positions) -> None:
+    """cache[page_table[b, pos // Tp], pos % Tp] = latent[b] for pos = positions[b]: one program per row."""
+    B, D = latent.shape
+    if latent.stride(-1) != 1:
+        latent = latent.contiguous()
+    _write_kernel[(B,)](latent, cache, page_table, positions, latent.stride(0), cache.stride(0), cache.stride(1),
+                        page_table.stride(0), D, TP=cache.shape[1], BLOCK=triton.next_power_of_2(D), num_warps=4)
+
+
+def mla_decode_kernels(q_lat, q_pe, cache, page_table, lengths, length_offset, scale, splits, block_h, block_n,
+                       block_r, block_dr) -> torch.Tensor:
     B, H, R = q_lat.shape
     Dr = q_pe.shape[-1]
     Tp = cache.shape[1]
@@ -89,7 +110,7 @@ def mla_decode_kernels(q_lat, q_pe, cache, page_table, lengths, scale, splits, b
         q_lat, q_pe, cache, page_table, lengths, part, lse,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0), cache.stride(1),
         page_table.stride(0), part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        scale, H, R=R, DR=Dr, TP=Tp, SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r,
+        scale, H, length_offset, R=R, DR=Dr, TP=Tp, SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=block_r,
         BLOCK_DR=block_dr, DOT_PREC=prec, num_warps=4, num_stages=2)
     _combine_kernel[(B, H)](part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
                             lse.stride(1), out.stride(0), out.stride(1), R=R, SPLITS=splits,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["mla_decode", "mla_decode_reference", "mla_decode_triton", "triton_available"]
+__all__ = ["mla_decode", "mla_decode_append", "mla_decode_reference", "mla_decode_triton", "triton_available"]
 
 
 def triton_available() -> bool:
@@ -53,6 +53,20 @@ def mla_decode(q_lat, q_pe, cache, page_table, lengths, scale: float, splits: in
     return mla_decode_reference(q_lat, q_pe, cache, page_table, lengths, scale)
 
 
+def mla_decode_append(q_lat, q_pe, latent, cache, page_table, positions, scale: float) -> torch.Tensor:
+    """A decode step: write each row's new latent [B,R+Dr] at token ``positions[b]`` (the tokens cached before it)
+    of its pages, then attend over positions + 1 tokens. In place; Triton on CUDA, the reference elsewhere."""
+    if cache.is_cuda and triton_available():
+        from ._mla_decode_triton import write_latents
+
+        write_latents(latent, cache, page_table, positions)
+        return mla_decode_triton(q_lat, q_pe, cache, page_table, positions, scale, length_offset=1)
+    pos = positions.long()
+    page = page_table.gather(1, (pos // cache.shape[1])[:, None]).squeeze(1).long()
+    cache[page, pos % cache.shape[1]] = latent.to(cache.dtype)
+    return mla_decode_reference(q_lat, q_pe, cache, page_table, pos + 1, scale)
+
+
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << (max(n, 1) - 1).bit_length())
 
@@ -63,8 +77,9 @@ def default_splits(batch: int, head_blocks: int, sms: int = 132) -> int:
 
 
 def mla_decode_triton(q_lat, q_pe, cache, page_table, lengths, scale: float, splits: int | None = None,
-                      block_n: int = 64) -> torch.Tensor:
-    """The flash-decoding kernels; also runs under ``TRITON_INTERPRET=1`` on CPU tensors (tests)."""
+                      block_n: int = 64, length_offset: int = 0) -> torch.Tensor:
+    """The flash-decoding kernels (row b attends over lengths[b] + length_offset tokens); also runs under
+    ``TRITON_INTERPRET=1`` on CPU tensors (tests)."""
     from ._mla_decode_triton import mla_decode_kernels
 
     B, H, R = q_lat.shape
@@ -75,5 +90,6 @@ def mla_decode_triton(q_lat, q_pe, cache, page_table, lengths, scale: float, spl
     block_h = min(_pow2(H), 64)
     head_blocks = -(-H // block_h)
     splits = splits or default_splits(B, head_blocks)
-    return mla_decode_kernels(q_lat.contiguous(), q_pe.contiguous(), cache, page_table, lengths, float(scale),
-                              splits, block_h, min(block_n, _pow2(cache.shape[1])), _pow2(R), _pow2(Dr))
+    q_lat, q_pe = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_lat, q_pe))  # rows may be strided
+    return mla_decode_kernels(q_lat, q_pe, cache, page_table, lengths, length_offset, float(scale), splits, block_h,
+                              min(block_n, _pow2(cache.shape[1])), _pow2(R), _pow2(Dr))

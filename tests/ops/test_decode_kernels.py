@@ -56,7 +56,8 @@ def _kda_inputs(B=3, H=2, K=16, W=4, P=6):
                 b=torch.randn(B, H, device=DEV), conv_weights=[torch.randn(H * K, 1, W, device=DEV) for _ in range(3)],
                 A_log=torch.randn(H, device=DEV) * 0.1, dt_bias=torch.randn(H * K, device=DEV),
                 state=base[:, 1], conv=torch.randn(P, 2, 3, H * K, W - 1, device=DEV)[:, 0],
-                index=torch.tensor([4, 0, 2][:B], device=DEV))
+                # a column of a wider table, as the engine passes it (one column per group of KDA layers)
+                index=torch.tensor([[9, 4, 7], [9, 0, 7], [9, 2, 7]][:B], device=DEV)[:, 1])
 
 
 @needs_triton
@@ -99,9 +100,52 @@ def test_decode_reference_step_by_step_equals_the_layer_over_the_sequence():
     index = torch.tensor([3, 1])
     outs = []
     for t in range(x.shape[1]):
-        q, k, v, f, b = layer.projections(x[:, t: t + 1])
+        q, k, v, f, b, gate = layer.projections(x[:, t: t + 1])
         o = kda_decode_reference(torch.cat([q, k, v], 1), f[:, 0], b[:, 0], (layer.q_conv1d.weight,
                                  layer.k_conv1d.weight, layer.v_conv1d.weight), layer.A_log, layer.dt_bias, state,
                                  conv, index, layer.gate_kind, layer.lower_bound)
-        outs.append(layer.output(o[:, None], x[:, t: t + 1]))
+        outs.append(layer.output(o[:, None], gate))
     torch.testing.assert_close(torch.cat(outs, 1), ref, atol=1e-5, rtol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("act,N,k", [("situ", 3, 4), ("silu", 1, 2), ("situ", 5, 8)])
+def test_fused_expert_decode_matches_the_grouped_path(act, N, k):
+    from k3 import K3Config
+    from k3.layers.width.latent_moe import ExpertBank
+    from k3.ops.moe_decode import expert_decode
+
+    torch.manual_seed(3)
+    cfg = K3Config.preset("tiny").replace(hidden_act=act, num_experts=8, num_experts_per_token=k)
+    bank = ExpertBank(cfg).to(DEV)
+    z = torch.randn(N, cfg.expert_dim, device=DEV) * 3  # large enough to reach SiTU's saturation
+    idx = torch.stack([torch.randperm(8)[:k] for _ in range(N)]).to(DEV)
+    weights = torch.rand(N, k, device=DEV)
+    ref = bank(z, weights, idx).detach()  # with a gradient (and on CPU) forward runs the grouped path
+    with torch.no_grad():
+        out = expert_decode(z, weights, idx, bank.w1, bank.w3, bank.w2, act, bank.b1, bank.b2)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@needs_triton
+def test_append_then_attend_kernels_match_the_reference():
+    """A decode step's MLA: the new token's latent written into its page (in place), then attention over the
+    context including it: Triton's write + flash-decoding kernels against the reference's index_put + gather."""
+    from k3.ops._mla_decode_triton import write_latents
+    from k3.ops.mla_decode import mla_decode_append, mla_decode_triton
+
+    B, H, R, Dr, Tp, P = 3, 4, 32, 8, 16, 10
+    pool = torch.randn(P, Tp, 2, R + Dr, device=DEV)
+    table = torch.stack([torch.randperm(P) for _ in range(B)]).to(DEV, torch.int32)
+    positions = torch.tensor([0, 16, 37], device=DEV, dtype=torch.int32)  # the new token starts a page, too
+    q, qp, new = torch.randn(B, H, R, device=DEV), torch.randn(B, H, Dr, device=DEV), torch.randn(B, R + Dr, device=DEV)
+    ref_pool, tri_pool = pool.clone(), pool.clone()
+    ref = mla_decode_append(q, qp, new, ref_pool[:, :, 0], table, positions, 0.2) if not pool.is_cuda else None
+    if ref is None:  # on a GPU mla_decode_append is the Triton path: the reference is index_put + gather
+        pos = positions.long()
+        ref_pool[:, :, 0][table.gather(1, (pos // Tp)[:, None]).squeeze(1).long(), pos % Tp] = new
+        ref = mla_decode_reference(q, qp, ref_pool[:, :, 0], table, pos + 1, 0.2)
+    write_latents(new, tri_pool[:, :, 0], table, positions)
+    out = mla_decode_triton(q, qp, tri_pool[:, :, 0], table, positions, 0.2, splits=4, block_n=16, length_offset=1)
+    assert torch.equal(tri_pool, ref_pool)  # exactly the same bytes written, nothing else touched
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)

@@ -12,14 +12,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _conv_decode_kernel(X, WQ, WK, WV, CONV, IDX, Y, stride_xb, stride_cp, stride_yp, stride_yb, HK,
+def _conv_decode_kernel(X, WQ, WK, WV, CONV, IDX, Y, stride_xb, stride_cp, stride_yp, stride_yb, stride_idx, HK,
                         W: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # over the 3*HK channels of q, k, v
     m = offs < 3 * HK
     which, ch = offs // HK, offs % HK
     mq, mk, mv = m & (which == 0), m & (which == 1), m & (which == 2)
-    page = tl.load(IDX + b).to(tl.int64)
+    page = tl.load(IDX + b * stride_idx).to(tl.int64)  # the index may be a column of a wider table
     x = tl.load(X + b * stride_xb + offs, mask=m, other=0.0).to(tl.float32)
     w_new = (tl.load(WQ + ch * W + W - 1, mask=mq, other=0.0) + tl.load(WK + ch * W + W - 1, mask=mk, other=0.0)
              + tl.load(WV + ch * W + W - 1, mask=mv, other=0.0)).to(tl.float32)
@@ -50,5 +50,5 @@ def conv_decode(x3: torch.Tensor, weights, conv: torch.Tensor, index: torch.Tens
     block = 256
     _conv_decode_kernel[(B, triton.cdiv(3 * HK, block))](
         x3, *(w.contiguous() for w in weights), conv, index, y, x3.stride(0), conv.stride(0), y.stride(0), y.stride(1),
-        HK, W=W, BLOCK=block, num_warps=4)
+        index.stride(0), HK, W=W, BLOCK=block, num_warps=4)
     return y

@@ -41,7 +41,7 @@ def conv_decode_reference(x3: torch.Tensor, weights, conv: torch.Tensor, index: 
 
 def kda_decode_reference(x3, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind: str = "lower_bound",
                          lower_bound: float = -5.0, scale: float | None = None) -> torch.Tensor:
-    """See the module docstring; returns o [B,H,V] fp32. ``index`` [B] long."""
+    """See the module docstring; returns o [B,H,V] in x3's dtype. ``index`` [B] long."""
     B, H, K = f.shape
     y = conv_decode_reference(x3, conv_weights, conv, index)  # [B,3,HK]
     q, k = l2_norm(y[:, 0].view(B, 1, H, K)), l2_norm(y[:, 1].view(B, 1, H, K))
@@ -50,7 +50,7 @@ def kda_decode_reference(x3, f, b, conv_weights, A_log, dt_bias, state, conv, in
     beta = torch.sigmoid(b.float())[:, None]
     o, s = reference.recurrent_kda(q, k, v, g, beta, scale, initial_state=state[index], output_final_state=True)
     state.index_copy_(0, index, s)
-    return o[:, 0].float()
+    return o[:, 0].to(x3.dtype)
 
 
 def kda_decode(x3, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind: str = "lower_bound",
@@ -72,9 +72,10 @@ def _kda_decode_fused(x3, f, b, conv_weights, A_log, dt_bias, state, conv, index
 
     B, H, K = f.shape
     y = conv_decode(x3, conv_weights, conv, index)  # [3,B,HK] in x3's dtype: q, k, v each contiguous
+    v = y[2].view(B, 1, H, K)
     o, _ = fused_recurrent_kda_fwd(
-        q=y[0].view(B, 1, H, K), k=y[1].view(B, 1, H, K), v=y[2].view(B, 1, H, K), g=f.reshape(B, 1, H, K),
+        q=y[0].view(B, 1, H, K), k=y[1].view(B, 1, H, K), v=v, g=f.reshape(B, 1, H, K), out=torch.empty_like(v),
         beta=b.reshape(B, 1, H), A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=state,
         inplace_final_state=True, ssm_state_indices=index, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
         use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound if gate_kind == "lower_bound" else None)
-    return o[:, 0].float()
+    return o[:, 0]

@@ -149,7 +149,7 @@ class ModelRunner:
     def _sample_eager(self, logits, items) -> dict[str, Sampled]:
         temp, top_k, top_p, seed, step = self._sampling_tensors(items)
         filtered = any(it.sample.top_k > 0 or it.sample.top_p < 1.0 for it in items)
-        packed = _pack(*self._sample(logits, temp, top_k, top_p, seed, step, filtered)).cpu()
+        packed = _pack(*sample(logits, temp, top_k, top_p, seed, step, filtered)).cpu()  # varying shapes: eager
         return _unpack(packed, [it.seq_id for it in items], [it.sample.logprobs for it in items])
 
     # ---- CUDA graphs ------------------------------------------------------------------------------------------

@@ -71,10 +71,10 @@ def moe_decode_kernels(z, weights, idx, w1, w3, w2, situ: bool, b1: float, b2: f
     dtype = w1.dtype if w1.dtype in (torch.bfloat16, torch.float16) else z.dtype
     h = torch.empty(N * k, I, dtype=dtype, device=z.device)
     u = torch.empty(N, L, dtype=torch.float32, device=z.device)
-    block_i, block_l = 32, min(128, triton.next_power_of_2(L))
+    block_i, block_l = 16, min(128, triton.next_power_of_2(L))  # small blocks: enough programs at one token
     _up_kernel[(N * k, triton.cdiv(I, block_i))](z, idx, w1, w3, h, L, I, w1.stride(0), b1, b2, K_TOP=k, SITU=situ,
                                                  BLOCK_I=block_i, BLOCK_L=block_l, num_warps=4)
-    block_l2, block_i2 = 32, min(128, triton.next_power_of_2(I))
+    block_l2, block_i2 = 8, min(128, triton.next_power_of_2(I))
     _down_kernel[(N, triton.cdiv(L, block_l2))](h, idx, weights, w2, u, L, I, w2.stride(0), K_TOP=k,
                                                  BLOCK_L=block_l2, BLOCK_I=block_i2, num_warps=4)
     return u

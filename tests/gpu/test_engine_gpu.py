@@ -47,23 +47,27 @@ def test_graph_runner_equals_eager_runner_and_the_full_forward(setup):
     for eng in (graph, eager):
         for p in prompts:
             eng.submit(GenerationRequest(tuple(p), SamplingParams(max_tokens=64, ignore_eos=True)))
-        while any(s.pending > 1 or s.num_computed == 0 for s in eng.running) or eng.waiting:  # prefill only
+        while any(s.pending > 1 for s in eng.running) or eng.waiting:  # until every prompt is in
             plan = eng.scheduler.schedule()
             eng.runner.execute(plan)
             eng.scheduler.update(plan, eng.seqs)
-            for it in plan.prefill:  # the prompt's next token: the same for both engines
+            for it in plan.prefill + plan.decode:  # the next token: the same for both engines
                 if it.sample is not None:
                     eng.seqs[it.seq_id].tokens.append(7)
     agree, total = 0, 0
     for step in range(6):
         plans = [eng.scheduler.schedule() for eng in (graph, eager)]
         assert [it.seq_id for it in plans[0].decode] == [it.seq_id for it in plans[1].decode] and not plans[0].prefill
+        assert len(plans[0].decode) == len(prompts)
         lg = graph.runner.decode_logits(plans[0].decode).clone()
         le = eager.runner.decode_logits(plans[1].decode)
+        refs = [model(torch.tensor([graph.seqs[it.seq_id].tokens], device="cuda"))["logits"][0, -1]
+                for it in plans[0].decode]
+        print(f"step {step}: graph/eager {_rel(lg, le):.2e}, graph/full "
+              f"{max(_rel(lg[b], r) for b, r in enumerate(refs)):.2e}, eager/full "
+              f"{max(_rel(le[b], r) for b, r in enumerate(refs)):.2e}", flush=True)
         assert _rel(lg, le) < 1e-2
-        for b, it in enumerate(plans[0].decode):
-            seq = graph.seqs[it.seq_id]
-            ref = model(torch.tensor([seq.tokens], device="cuda"))["logits"][0, -1]
+        for b, ref in enumerate(refs):
             assert _rel(lg[b], ref) < 3e-2, (step, b)
             agree += int(lg[b].argmax() == ref.argmax())
             total += 1

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from ..config import PRESETS
+from .common import add_verify_argument, int_in
 
 HELP = "serve a checkpoint over an OpenAI-compatible HTTP API (localhost by default)"
 
@@ -17,7 +18,7 @@ def add_arguments(p) -> None:
     src.add_argument("--preset", choices=list(PRESETS), help="with --random-init: a randomly initialised model")
     p.add_argument("--random-init", action="store_true", help="smoke tests: random weights and a small BPE")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int_in(1, 65535), default=8000, help="TCP port")
     p.add_argument("--model-name", default=None, help="the name clients pass as `model` (default: the directory)")
     p.add_argument("--num-pages", type=int, default=512, help="cache pages in the block pool")
     p.add_argument("--page-tokens", type=int, default=1024)
@@ -25,6 +26,7 @@ def add_arguments(p) -> None:
     p.add_argument("--checkpoint-every", type=int, default=4, help="KDA state checkpoint every N hash blocks")
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--device", default="auto")
+    add_verify_argument(p)
 
 
 def _random_model(preset: str, device):
@@ -45,7 +47,7 @@ def run(args) -> int:
 
     device = resolve_device(args.device)
     if args.checkpoint:
-        model, tok = load_for_inference(args.checkpoint, device)
+        model, tok = load_for_inference(args.checkpoint, device, args.verify)
         name = args.model_name or Path(args.checkpoint).resolve().name
     else:
         if not args.random_init:

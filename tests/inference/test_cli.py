@@ -29,7 +29,7 @@ def test_generate_streams_the_greedy_continuation(tmp_path, capsys):
 def test_chat_two_turns(tmp_path):
     ck = make_checkpoint(tmp_path)
     args = argparse.Namespace(checkpoint=str(ck), system="be brief", max_tokens=4, temperature=0.0, top_k=0,
-                              top_p=1.0, seed=0, device="cpu")
+                              top_p=1.0, seed=0, device="cpu", verify=True)
     out = io.StringIO()
     assert chat.run(args, stdin=io.StringIO("hi\nhow are you\n\n"), stdout=out) == 0
     assert out.getvalue().count("> ") == 3  # two turns answered, then the empty line quits

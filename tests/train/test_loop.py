@@ -99,3 +99,35 @@ def test_training_on_user_jsonl_learns(tmp_path):
     recs = read_metrics(cfg.out)
     assert recs[-1]["loss"] < recs[0]["loss"] - 1.0
     assert torch.isfinite(torch.tensor(recs[-1]["val_loss"]))
+
+
+def test_rerunning_a_finished_run_says_so_and_a_larger_steps_extends_it(tmp_path, capsys):
+    out = tmp_path / "x"
+    args = ["train", "--preset", "tiny", "--out", str(out), "--steps", "3", "--batch-size", "2", "--seq-len", "32",
+            "--vocab-size", "300", "--data-max-bytes", "200000", "--eval-every", "3", "--log-every", "1"]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(args) == 0  # the same command again: nothing to do, and no "loss nan"
+    printed = capsys.readouterr().out
+    assert "already complete" in printed and "step 3" in printed and "larger --steps" in printed
+    assert "nan" not in printed
+    assert main(args[:5] + ["--steps", "5"] + args[7:]) == 0  # extended: resumes at 3, ends at 5
+    recs = read_metrics(out)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5] and "val_loss" in recs[-1]
+    floor = BASE.lr * BASE.min_lr_ratio  # the finished schedule had reached its minimum: it goes on there
+    assert recs[3]["lr"] == pytest.approx(floor) and recs[4]["lr"] == pytest.approx(floor)
+    assert main(args[:5] + ["--steps", "6", "--lr", "1e-3"] + args[7:]) == 1
+    err = capsys.readouterr().err
+    assert "--lr 0.003 (now 0.001)" in err and "new --out" in err
+
+
+def test_extending_a_run_half_way_keeps_the_lr_continuous(tmp_path):
+    from k3.train.schedule import lr_lambda
+
+    cfg, _ = run(tmp_path, "h", steps=8, stop_after=3, eval_every=100)
+    run(tmp_path, "h", steps=12, eval_every=100)
+    lrs = [r["lr"] for r in read_metrics(cfg.out)]
+    assert len(lrs) == 12
+    assert lrs[3] == pytest.approx(BASE.lr * lr_lambda(3, 8))  # step 4 keeps the lr it would have had
+    assert all(a > b for a, b in zip(lrs[3:], lrs[4:]))  # then decays, more slowly, over the 9 steps left
+    assert lrs[-1] > BASE.lr * BASE.min_lr_ratio and lrs[7] > BASE.lr * lr_lambda(7, 8)

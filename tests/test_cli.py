@@ -133,3 +133,26 @@ def test_version_and_defaults_in_help(capsys):
                   "(default: quantile)", "--seq-len SEQ_LEN tokens per sequence (default: 512)"):
         assert shown in text
     assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_plot_legends_sit_outside_the_curves_and_layers_count_from_one():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from k3 import K3Config, K3ForCausalLM
+    from k3.cli.plot import load_figure, loss_figure
+    from k3.train.metrics import moe_layer_labels
+
+    labels = moe_layer_labels(K3ForCausalLM(K3Config.preset("tiny")))
+    cfg = K3Config.preset("tiny")
+    assert labels == [f"layer {i + 1}" for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)] + ["MTP 1"]
+    assert labels[0] == f"layer {cfg.first_k_dense_replace + 1}"  # numbered from 1, as the README numbers layers
+    recs = [{"step": s, "loss": 6 - s / 10, "load_max_over_mean": 2 - s / 30,
+             "load_per_layer": [2 - s / 30 + i / 10 for i in range(len(labels))]} for s in range(1, 30)]
+    for fig, names in ((load_figure(recs, {"load_layers": labels}), ["worst layer", *labels]),
+                       (loss_figure(recs, {"unigram_entropy_nats": 5.5}), ["train loss", "unigram entropy (5.50)"])):
+        ax, legend = fig.axes[0], fig.axes[0].get_legend()
+        fig.canvas.draw()
+        box, area = legend.get_window_extent(), ax.get_window_extent()
+        assert box.x0 >= area.x1  # right of the plotting area: it covers no line
+        assert [t.get_text() for t in legend.get_texts()] == names

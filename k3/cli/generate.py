@@ -90,9 +90,9 @@ def stream_completion(handle, out=sys.stdout) -> str:
     try:
         for ev in handle:
             if isinstance(ev, TokenEvent):
-                text += ev.text
                 out.write(ev.text)
                 out.flush()
+                text += ev.text
     except KeyboardInterrupt:
         handle.cancel()
         for ev in handle:  # the engine ends the request with FinishEvent("abort") at its next step

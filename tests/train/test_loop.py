@@ -83,6 +83,7 @@ def test_train_plot_generate_cli(tmp_path, capsys):
     assert "val_loss" in capsys.readouterr().out
     assert main(["plot", str(out)]) == 0
     assert (out / "loss.png").stat().st_size > 1000 and (out / "load.png").exists()
+    assert json.loads((out / "run_info.json").read_text())["load_layers"][0] == "layer 2"  # 1-based
     assert capsys.readouterr().out.splitlines() == [str(out / "loss.png"), str(out / "load.png")]
     assert main(["generate", "--checkpoint", str(out), "--prompt", "import os", "--max-tokens", "8",
                  "--temperature", "0"]) == 0

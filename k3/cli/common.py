@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 
 from ..config import PRESETS, K3Config
 
@@ -96,9 +95,3 @@ def add_verify_argument(p) -> None:
 
 def config_from_args(args) -> K3Config:
     return K3Config.from_hf(args.config) if args.config else K3Config.preset(args.preset)
-
-
-def note_newline(stream=sys.stdout) -> None:
-    """End a partly written line, so that a message that follows starts a line of its own."""
-    stream.write("\n")
-    stream.flush()

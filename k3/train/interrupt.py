@@ -24,18 +24,24 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 
 class StopRequest:
-    """A context manager whose ``requested`` turns True at the first SIGINT (in the main thread only)."""
+    """A context manager whose ``requested`` turns True at the first SIGINT (in the main thread only) once
+    ``arm()`` was called, when the steps begin; before that (reading data, building the model) Ctrl-C interrupts
+    at once, as there is no step to finish and nothing new to save."""
 
-    def __init__(self, enabled: bool = True, stream=sys.stderr):
+    def __init__(self, enabled: bool = True):
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
-        self.requested, self.stream, self._previous = False, stream, None
+        self.requested, self.armed, self._previous = False, False, None
+
+    def arm(self) -> None:
+        self.armed = True
 
     def _handle(self, signum, frame) -> None:
-        self.requested = True
         signal.signal(signal.SIGINT, self._previous)  # the next Ctrl-C interrupts at once
-        self.stream.write("\nk3 train: Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again to stop "
-                          "now without one)\n")
-        self.stream.flush()
+        if not self.armed:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again to stop now, keeping the previous "
+              "one)", file=sys.stderr, flush=True)
 
     def __enter__(self) -> "StopRequest":
         if self.enabled:

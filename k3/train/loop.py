@@ -267,6 +267,7 @@ def _train(cfg: TrainConfig, log, parallel, stop: StopRequest) -> dict:
     last = {}
     t_last, tok_last = time.time(), tokens
     end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
+    stop.arm()
     while step < end:
         loss_sum, mtp_sum = 0.0, 0.0
         for _ in range(cfg.grad_accum):

@@ -143,3 +143,15 @@ def test_k3_chat_ctrl_c_stops_the_reply_and_the_next_prompt_works(tmp_path):
     t.ctrl_c()  # at the prompt: quit
     code, out, err = t.finish()
     assert code == 0 and "Traceback" not in err and out.endswith("> \n"), (out, err)
+
+
+def test_a_changed_byte_is_named_and_no_verify_loads_anyway(tmp_path, capsys):
+    from tests.checkpoint.test_manifest import flip_tensor_byte
+
+    ck = make_checkpoint(tmp_path)
+    flip_tensor_byte(ck / "model.safetensors")
+    argv = ["generate", "--checkpoint", str(ck), "--prompt", "hello", "--max-tokens", "2", "--temperature", "0"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "model.safetensors does not match its sha256" in err and "--no-verify" in err
+    assert main(argv + ["--no-verify"]) == 0

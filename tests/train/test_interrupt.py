@@ -56,3 +56,17 @@ def test_k3_train_ctrl_c_says_where_the_checkpoint_is(tmp_path):
     step = read_step(out / "checkpoint")
     assert step >= 2 and read_metrics(out)[-1]["step"] == step
     assert f"interrupted; the checkpoint of step {step} is in {out / 'checkpoint'}: run the same command" in err
+
+
+def test_the_first_ctrl_c_asks_the_second_interrupts_and_before_the_steps_it_interrupts(capsys):
+    from k3.train.interrupt import StopRequest
+
+    with StopRequest(), pytest.raises(KeyboardInterrupt):  # not armed: reading data, building the model
+        os.kill(os.getpid(), signal.SIGINT)
+    with StopRequest() as stop:
+        stop.arm()
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested and "stopping after this step" in capsys.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -143,7 +143,8 @@ def save_pretrained(model, directory: str | Path, max_shard_bytes: int = 5 * 2**
             for k, v in shard.items():
                 weight_map[k] = fname
                 total += v.numel() * v.element_size()
-        write_text_atomic(d / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        write_text_atomic(d / INDEX, json.dumps(index, indent=2))
         (d / SINGLE).unlink(missing_ok=True)
     write_text_atomic(d / CONFIG, json.dumps(model.config.to_hf(), indent=2) + "\n")
     record_checksums(d, names + [CONFIG])

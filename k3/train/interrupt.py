@@ -45,8 +45,8 @@ class StopRequest:
 
     def __enter__(self) -> "StopRequest":
         if self.enabled:
-            previous = signal.signal(signal.SIGINT, self._handle)
-            self._previous = previous if previous is not None else signal.default_int_handler  # None: set outside Python
+            previous = signal.signal(signal.SIGINT, self._handle)  # None: a handler set outside Python
+            self._previous = previous if previous is not None else signal.default_int_handler
         return self
 
     def __exit__(self, *exc) -> None:

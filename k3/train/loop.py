@@ -267,6 +267,7 @@ def _train(cfg: TrainConfig, log, parallel, stop: StopRequest) -> dict:
     last = {}
     t_last, tok_last = time.time(), tokens
     end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
+    stopping = False
     stop.arm()
     while step < end:
         loss_sum, mtp_sum = 0.0, 0.0
@@ -311,7 +312,8 @@ def _train(cfg: TrainConfig, log, parallel, stop: StopRequest) -> dict:
             metrics.write(rec)
             progress.update(step, rec, force="val_loss" in rec)
         last = rec
-        if step % cfg.save_every == 0 or step == end or stop.requested:
+        stopping = stop.requested and step < end  # read once: the checkpoint is of the step the run stops at
+        if step % cfg.save_every == 0 or step == end or stopping:
             trainer = {"scheduler": scheduler.state_dict(), "step": step, "tokens": tokens, "rng": rng_state(),
                        "balancer": balancer.state_dict() if balancer is not None else None,
                        "data": train_set.state_dict(),
@@ -322,10 +324,10 @@ def _train(cfg: TrainConfig, log, parallel, stop: StopRequest) -> dict:
             else:
                 save_checkpoint(run, model, run / "tokenizer.json", trainer, cfg.to_json(),
                                 model_state=par.full_state(model), optimizer_shard=optimizer.state_dict())
-        if stop.requested and step < end:
+        if stopping:
             break
     if progress is not None:
         progress.close()
-    if stop.requested and step < end:
+    if stopping:
         raise TrainingInterrupted(step, run / "checkpoint")
     return {"step": step, "last": last, "unigram_entropy": entropy, "run": str(run), "params": n_params}

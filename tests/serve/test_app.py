@@ -228,7 +228,8 @@ ERRORS = {
     "prompt-list-lone-surrogate": ("c", {"prompt": ["a\udfff"]}, "prompt.0"),
     "stop-lone-surrogate": ("c", {"stop": ["\ud800"]}, "stop.0"),
     "chat-lone-surrogate": ("chat", {"messages": [{"role": "user", "content": "x\ud800"}]}, "messages.0.content"),
-    "chat-part-lone-surrogate": ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
+    "chat-part-lone-surrogate": ("chat", {"messages": [{"role": "user",
+                                                        "content": [{"type": "text", "text": "\udc00"}]}]},
                                  "messages.0.content.0.text"),
 }
 

@@ -73,6 +73,8 @@ def one_line_error(capsys, argv, code) -> str:
     (["generate", "--checkpoint", "x", "--prompt", "p", "--top-p", "0"], "--top-p: must be > 0 and <= 1"),
     (["generate", "--checkpoint", "x", "--prompt", "p", "--max-tokens", "0"], "--max-tokens: must be >= 1"),
     (["chat", "--checkpoint", "x", "--top-k", "-1"], "--top-k: must be >= 0"),
+    (["generate", "--checkpoint", "x", "--prompt", "p", "--seed", str(2**64)], "--seed: must be in [-92233720368"),
+    (["train", "--seed", "-9223372036854775809"], "--seed: must be in [-9223372036854775808, 18446744073709551615]"),
     (["serve", "--preset", "tiny", "--random-init", "--port", "99999"], "--port: must be in [1, 65535]"),
     (["params"], "--preset --config is required"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),

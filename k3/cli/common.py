@@ -29,14 +29,18 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
 def int_at_least(lo: int, why: str = ""):
     """An argparse type: an integer >= ``lo``."""
 
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        value = _integer(text)
         if value < lo:
             raise argparse.ArgumentTypeError(f"must be >= {lo}{why}; got {value}")
         return value
@@ -48,8 +52,8 @@ def int_in(lo: int, hi: int):
     """An argparse type: an integer in [lo, hi]."""
 
     def parse(text: str) -> int:
-        value = int_at_least(lo)(text)
-        if value > hi:
+        value = _integer(text)
+        if not lo <= value <= hi:
             raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}]; got {value}")
         return value
 
@@ -76,6 +80,7 @@ def number(lo: float = -math.inf, hi: float = math.inf, lo_open: bool = False):
 
 
 positive_int = int_at_least(1)
+seed = int_in(-2**63, 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 def add_model_arguments(p, default_preset: str | None = None) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .common import add_device_argument, add_verify_argument, int_at_least, number, positive_int
+from .common import add_device_argument, add_verify_argument, int_at_least, number, positive_int, seed
 
 HELP = "sample a continuation of --prompt from a checkpoint (streams to stdout)"
 
@@ -25,7 +25,7 @@ def add_sampling_arguments(p, max_tokens: int = 64) -> None:
     p.add_argument("--temperature", type=number(0), default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int_at_least(0), default=50, help="0 = off")
     p.add_argument("--top-p", type=number(0, 1, lo_open=True), default=1.0, help="nucleus sampling; 1 = off")
-    p.add_argument("--seed", type=int, default=0, help="the same seed gives the same text")
+    p.add_argument("--seed", type=seed, default=0, help="the same seed gives the same text")
 
 
 def sampling_from_args(args, stop=()):

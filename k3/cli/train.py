@@ -6,7 +6,8 @@ import dataclasses
 import sys
 
 from ..train.loop import MIN_SEQ_LEN, TrainConfig, train
-from .common import add_device_argument, add_model_arguments, add_verify_argument, int_at_least, number, positive_int
+from .common import (add_device_argument, add_model_arguments, add_verify_argument, int_at_least, number, positive_int,
+                     seed)
 
 HELP = "train a model (resumes automatically when --out already holds a checkpoint)"
 
@@ -36,7 +37,7 @@ def add_train_arguments(p, defaults: TrainConfig) -> None:
     p.add_argument("--eval-every", type=positive_int, default=d.eval_every, help="validation loss every N steps")
     p.add_argument("--log-every", type=positive_int, default=d.log_every, help="a metrics line every N steps")
     p.add_argument("--save-every", type=positive_int, default=d.save_every, help="a checkpoint every N steps")
-    p.add_argument("--seed", type=int, default=d.seed, help="model init, data order and split")
+    p.add_argument("--seed", type=seed, default=d.seed, help="model init, data order and split")
     add_device_argument(p, d.device)
     p.add_argument("--kda-backend", choices=["auto", "torch", "fla"], default=d.kda_backend,
                    help="KDA kernels: fla-core's on CUDA (auto) or the pure-torch reference")

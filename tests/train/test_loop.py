@@ -2,6 +2,8 @@
 
 import dataclasses
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -35,15 +37,21 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(tmp_path):
 
 
 def test_metrics_checkpoint_and_entropy(tmp_path):
-    cfg, result = run(tmp_path, "m", steps=4, eval_every=2)
+    umask = os.umask(0o022)
+    try:
+        cfg, result = run(tmp_path, "m", steps=4, eval_every=2)
+    finally:
+        os.umask(umask)
     recs = read_metrics(cfg.out)
     assert {"step", "loss", "lr", "tokens", "tokens_per_s", "grad_norm", "load_max_over_mean", "mtp_loss"} <= recs[0].keys()
     assert [r["step"] for r in recs if "val_loss" in r] == [2, 4]
     assert recs[-1]["tokens"] == 4 * 2 * 64
     assert recs[0]["lr"] < recs[1]["lr"] or recs[0]["lr"] == max(r["lr"] for r in recs)  # warm-up then decay
     ck = tmp_path / "m" / "checkpoint"
-    assert {"config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt", "train_config.json"} <= \
-        {p.name for p in ck.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt", "train_config.json",
+            "SHA256SUMS"} == {p.name for p in ck.iterdir()}
+    assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in [*ck.iterdir(), *(tmp_path / "m").iterdir()]
+            if p.is_file()} == {"0o644"}  # every output readable as usual, none 0600
     assert not [p for p in (tmp_path / "m").iterdir() if p.name.startswith(".checkpoint")]
     assert 3.0 < result["unigram_entropy"] < 7.0
 

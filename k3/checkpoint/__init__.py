@@ -7,6 +7,7 @@ Our module tree differs from the checkpoint in three places, translated here and
 - the multimodal release prefixes text weights with ``language_model.`` (stripped; vision weights are skipped).
 Aliases accepted on load: ``*_res.proj_weight`` / ``*_res.norm_weight`` (dotted AttnRes form) and an ``A_log``
 padded beyond the head count with zeros (the release ships [128] for 96 heads).
+Every file written gets a sha256 in ``SHA256SUMS``, checked on load (manifest.py).
 """
 
 from .io import CheckpointError, load_pretrained, save_pretrained, to_hf_state_dict, from_hf_state_dict

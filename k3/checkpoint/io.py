@@ -3,27 +3,25 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..atomic import atomic_path, write_text_atomic
 from ..config import K3Config
+from .errors import CheckpointError
+from .manifest import forget_checksums, record_checksums, verify_checksums
 from .mxfp4 import dequantize_mxfp4
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+CONFIG = "config.json"
 _SKIP_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
 _MTP_OUT = re.compile(r"^mtp\.(\d+)\.(block\.)?(.*)$")
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], config: K3Config) -> dict[str, torch.Tensor]:
@@ -107,26 +105,14 @@ def _keep_fp32(name: str) -> bool:
 
 
 def _atomic_save(tensors: dict, path: Path, metadata: dict | None = None) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def save_pretrained(model, directory: str | Path, max_shard_bytes: int = 5 * 2**30, state: dict | None = None) -> None:
     """Write config.json and the weights in HF naming; shards + ``model.safetensors.index.json`` when the
-    weights exceed ``max_shard_bytes``. Every file is written to a temp name and renamed into place.
+    weights exceed ``max_shard_bytes``. Every file is written to a temp name and renamed into place, and their
+    sha256 sums into ``SHA256SUMS`` last (see manifest.py).
     ``state``: the full state dict to write instead of ``model.state_dict()`` (e.g. gathered from FSDP shards)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
@@ -144,23 +130,28 @@ def save_pretrained(model, directory: str | Path, max_shard_bytes: int = 5 * 2**
         shards[-1][name] = hf[name]
         size += n
     meta = {"format": "pt"}
+    names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                                               for i in range(len(shards))] + [INDEX]
+    forget_checksums(d, names + [CONFIG])
     if len(shards) == 1:
         _atomic_save(shards[0], d / SINGLE, meta)
         (d / INDEX).unlink(missing_ok=True)
     else:
         weight_map, total = {}, 0
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        for fname, shard in zip(names, shards):
             _atomic_save(shard, d / fname, meta)
             for k, v in shard.items():
                 weight_map[k] = fname
                 total += v.numel() * v.element_size()
-        _atomic_write_text(d / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        write_text_atomic(d / INDEX, json.dumps(index, indent=2))
         (d / SINGLE).unlink(missing_ok=True)
-    _atomic_write_text(d / "config.json", json.dumps(model.config.to_hf(), indent=2) + "\n")
+    write_text_atomic(d / CONFIG, json.dumps(model.config.to_hf(), indent=2) + "\n")
+    record_checksums(d, names + [CONFIG])
 
 
-def read_hf_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
+def read_hf_tensors(directory: str | Path, verify: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint's safetensors files; ``verify`` first checks them against SHA256SUMS."""
     d = Path(directory)
     files = []
     if (d / INDEX).exists():
@@ -173,6 +164,8 @@ def read_hf_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
         files = [SINGLE]
     else:
         raise CheckpointError(f"no {SINGLE} or {INDEX} in {d}: not a checkpoint directory")
+    if verify:
+        verify_checksums(d, [INDEX, *files])
     tensors = {}
     for f in files:
         p = d / f
@@ -186,12 +179,15 @@ def read_hf_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_pretrained(directory: str | Path, config: K3Config | None = None, dtype=None, device="cpu",
-                    strict: bool = True):
-    """Build a K3ForCausalLM from a checkpoint directory (ours or the official layout)."""
+                    strict: bool = True, verify: bool = True):
+    """Build a K3ForCausalLM from a checkpoint directory (ours or the official layout). ``verify``: check the
+    files read against the directory's SHA256SUMS (when it has one) and name any that differ."""
     from ..model.transformer import K3ForCausalLM
 
+    if verify:
+        verify_checksums(directory, [CONFIG])
     config = config or K3Config.from_hf(directory)
-    state, skipped = from_hf_state_dict(read_hf_tensors(directory), config, dtype)
+    state, skipped = from_hf_state_dict(read_hf_tensors(directory, verify), config, dtype)
     with torch.device("meta"):
         model = K3ForCausalLM(config)
     expected = model.state_dict()

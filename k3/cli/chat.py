@@ -1,41 +1,59 @@
-"""k3 chat: an interactive multi-turn chat in the terminal (the ChatML template of k3.serve.chat)."""
+"""k3 chat: an interactive multi-turn chat in the terminal (the ChatML template of k3.serve.chat).
+
+Ctrl-C while a reply streams stops that reply (the request is cancelled in the engine) and keeps what was
+printed of it in the conversation; Ctrl-C or Ctrl-D (or an empty line) at the prompt ends the chat.
+"""
 
 from __future__ import annotations
 
 import sys
 
-from .generate import add_sampling_arguments, load_for_inference, make_engine, sampling_from_args, stream_completion
+from .common import add_device_argument, add_verify_argument
+from .generate import (ReplyInterrupted, add_sampling_arguments, load_for_inference, make_engine, sampling_from_args,
+                       stream_completion, submit_prompt)
 
 HELP = "chat with a checkpoint in the terminal (multi-turn; earlier turns hit the prefix cache)"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--checkpoint", required=True, help="a checkpoint directory or a run directory")
     p.add_argument("--system", default=None, help="an optional system message")
     add_sampling_arguments(p, max_tokens=256)
-    p.add_argument("--device", default="auto")
+    add_device_argument(p)
+    add_verify_argument(p)
+
+
+def _read_line(stdin, stdout) -> str | None:
+    """The user's next message, or None to quit (an empty line, Ctrl-D, Ctrl-C)."""
+    stdout.write("> ")
+    stdout.flush()
+    try:
+        line = stdin.readline()
+    except KeyboardInterrupt:
+        stdout.write("\n")
+        return None
+    return line.rstrip("\n") if line.strip() else None
 
 
 def run(args, stdin=sys.stdin, stdout=sys.stdout) -> int:
     from ..serve.chat import ChatTemplate
     from ..train.loop import resolve_device
 
-    model, tok = load_for_inference(args.checkpoint, resolve_device(args.device))
+    model, tok = load_for_inference(args.checkpoint, resolve_device(args.device), verify=args.verify)
     template = ChatTemplate()
+    params = sampling_from_args(args, template.stop)
     engine = make_engine(model, tok)
     engine.start()
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    stdout.write("k3 chat: type a message, an empty line or Ctrl-D to quit\n")
+    stdout.write("k3 chat: type a message; Ctrl-C stops a reply; an empty line, Ctrl-D or Ctrl-C here quits\n")
     try:
-        while True:
-            stdout.write("> ")
-            stdout.flush()
-            line = stdin.readline()
-            if not line.strip():
-                break
-            messages.append({"role": "user", "content": line.rstrip("\n")})
-            reply = stream_completion(engine, template.render(messages), sampling_from_args(args, template.stop),
-                                      out=stdout)
+        while (line := _read_line(stdin, stdout)) is not None:
+            messages.append({"role": "user", "content": line})
+            try:
+                reply = stream_completion(submit_prompt(engine, template.render(messages), params), out=stdout)
+            except ReplyInterrupted as e:
+                reply = e.text
+                stdout.write(" [stopped]")
             stdout.write("\n")
             messages.append({"role": "assistant", "content": reply})
     finally:

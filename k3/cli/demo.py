@@ -7,11 +7,11 @@ checkpoint and a loss plot, and samples a continuation.
 
 from __future__ import annotations
 
-
+import sys
 
 from ..train.loop import TrainConfig, train
 from .common import add_model_arguments
-from .train import add_train_arguments, config_from_args
+from .train import add_train_arguments, config_from_args, interrupted_message
 
 HELP = "train the tiny K3 on the embedded standard-library corpus for a few minutes, plot, and sample"
 
@@ -33,7 +33,11 @@ def run(args) -> int:
     cfg = config_from_args(args, DEMO)
     print(f"k3 demo: training the {cfg.preset or cfg.config} K3 for {cfg.steps} steps "
           f"({cfg.batch_size} x {cfg.seq_len} tokens each) on the Python standard library; output in {cfg.out}")
-    result = train(cfg, log=print)
+    try:
+        result = train(cfg, log=print)
+    except KeyboardInterrupt as e:
+        print(f"k3 demo: {interrupted_message(cfg.out, e)}", file=sys.stderr)
+        return 130
     h = result["unigram_entropy"]
     vals = _val_curve(cfg.out)
     print("validation loss by step: " + ", ".join(f"{s}: {v:.3f}" for s, v in vals))

@@ -7,22 +7,25 @@ from pathlib import Path
 
 import torch
 
+from .common import add_device_argument, add_verify_argument, int_at_least, number, positive_int, seed
+
 HELP = "sample a continuation of --prompt from a checkpoint (streams to stdout)"
 
 
 def add_arguments(p) -> None:
     p.add_argument("--checkpoint", required=True, help="a checkpoint directory (e.g. RUN/checkpoint) or a run directory")
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, help="the text to continue")
     add_sampling_arguments(p)
-    p.add_argument("--device", default="auto")
+    add_device_argument(p)
+    add_verify_argument(p)
 
 
 def add_sampling_arguments(p, max_tokens: int = 64) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=50, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=positive_int, default=max_tokens, help="tokens to generate at most")
+    p.add_argument("--temperature", type=number(0), default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int_at_least(0), default=50, help="0 = off")
+    p.add_argument("--top-p", type=number(0, 1, lo_open=True), default=1.0, help="nucleus sampling; 1 = off")
+    p.add_argument("--seed", type=seed, default=0, help="the same seed gives the same text")
 
 
 def sampling_from_args(args, stop=()):
@@ -39,18 +42,25 @@ def inference_dtype(device, name: str = "auto") -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
-def load_for_inference(path: str | Path, device, dtype: torch.dtype | None = None):
-    """(model, tokenizer) from a checkpoint directory or a run directory holding ``checkpoint/``; the model in
-    ``dtype`` (default: ``inference_dtype(device)``)."""
+def load_for_inference(path: str | Path, device, dtype: torch.dtype | None = None, verify: bool = True):
+    """(model, tokenizer) from a checkpoint directory or a run directory holding ``checkpoint/``: the model in
+    ``dtype`` (default: ``inference_dtype(device)``); ``verify`` checks the files against the checkpoint's
+    SHA256SUMS (k3.checkpoint.manifest) first."""
     from ..checkpoint import load_pretrained
+    from ..checkpoint.manifest import verify_checksums
     from ..data import load_tokenizer
 
     p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(f"--checkpoint {path}: no such directory; point it at a k3 checkpoint directory "
+                                "(RUN/checkpoint) or a run directory")
     if (p / "checkpoint").is_dir():
         p = p / "checkpoint"
     if not (p / "tokenizer.json").exists():
         raise FileNotFoundError(f"no tokenizer.json in {p}: point --checkpoint at a k3 checkpoint directory")
-    model = load_pretrained(p, dtype=torch.float32).to(device, dtype or inference_dtype(device)).eval()
+    if verify:
+        verify_checksums(p, ["tokenizer.json"])
+    model = load_pretrained(p, dtype=torch.float32, verify=verify).to(device, dtype or inference_dtype(device)).eval()
     return model, load_tokenizer(p / "tokenizer.json")
 
 
@@ -60,21 +70,43 @@ def make_engine(model, tok, name: str = "k3", **overrides):
     return Engine(model, tok, EngineConfig(**overrides), model_name=name)
 
 
-def stream_completion(engine, prompt: str, params, out=sys.stdout) -> str:
-    """Submit, print the text as it is generated, return it."""
+class ReplyInterrupted(KeyboardInterrupt):
+    """Ctrl-C while a reply streamed: the request was cancelled; ``text`` is what had been printed of it."""
+
+    def __init__(self, text: str):
+        super().__init__("reply interrupted")
+        self.text = text
+
+
+def submit_prompt(engine, prompt: str, params):
+    """The engine's handle for ``prompt``; refuses an empty prompt before anything is printed."""
     from ..data import encode
-    from ..inference.api import GenerationRequest, TokenEvent
+    from ..inference.api import GenerationRequest
 
     ids = encode(engine.tokenizer, prompt)
     if not ids:
         raise ValueError("the prompt encodes to no tokens; give some text")
-    handle = engine.submit(GenerationRequest(tuple(ids), params))
+    return engine.submit(GenerationRequest(tuple(ids), params))
+
+
+def stream_completion(handle, out=sys.stdout) -> str:
+    """Print the text of ``handle``'s tokens as they come and return it. Ctrl-C cancels the request (through the
+    handle), waits for the engine to end it, and raises ReplyInterrupted with the text so far."""
+    from ..inference.api import FinishEvent, TokenEvent
+
     text = ""
-    for ev in handle:
-        if isinstance(ev, TokenEvent):
-            text += ev.text
-            out.write(ev.text)
-            out.flush()
+    try:
+        for ev in handle:
+            if isinstance(ev, TokenEvent):
+                out.write(ev.text)
+                out.flush()
+                text += ev.text
+    except KeyboardInterrupt:
+        handle.cancel()
+        for ev in handle:  # the engine ends the request with FinishEvent("abort") at its next step
+            if isinstance(ev, FinishEvent):
+                break
+        raise ReplyInterrupted(text) from None
     return text
 
 
@@ -92,13 +124,18 @@ def generate_text(model, tok, prompt: str, max_tokens: int, temperature: float =
 def run(args) -> int:
     from ..train.loop import resolve_device
 
-    model, tok = load_for_inference(args.checkpoint, resolve_device(args.device))
+    params = sampling_from_args(args)
+    model, tok = load_for_inference(args.checkpoint, resolve_device(args.device), verify=args.verify)
     engine = make_engine(model, tok, Path(args.checkpoint).name)
     engine.start()
     try:
+        handle = submit_prompt(engine, args.prompt, params)  # errors come before the prompt is echoed
         sys.stdout.write(args.prompt)
-        stream_completion(engine, args.prompt, sampling_from_args(args))
-        sys.stdout.write("\n")
+        try:
+            stream_completion(handle)
+        finally:
+            sys.stdout.write("\n")  # a message after Ctrl-C starts a line of its own
+            sys.stdout.flush()
     finally:
         engine.stop()
     return 0

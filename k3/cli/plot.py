@@ -1,7 +1,11 @@
-"""k3 plot: loss and expert-load curves of a run, as PNG files beside its metrics.jsonl."""
+"""k3 plot: loss and expert-load curves of a run, as PNG files beside its metrics.jsonl.
+
+Legends sit outside the axes, so they never cover a curve; MoE layers are numbered from 1, as in the README.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ..train.metrics import read_metrics
@@ -11,6 +15,44 @@ HELP = "render RUN_DIR/metrics.jsonl to loss.png and load.png"
 
 def add_arguments(p) -> None:
     p.add_argument("run_dir", help="a k3 train/demo output directory")
+
+
+def _finish(fig, ax, ylabel: str, **legend):
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, **legend)
+    fig.tight_layout()
+    return fig
+
+
+def loss_figure(recs: list[dict], info: dict):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], label="train loss")
+    val = [r for r in recs if "val_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")
+    h = info.get("unigram_entropy_nats")
+    if h:
+        ax.axhline(h, color="gray", ls="--", label=f"unigram entropy ({h:.2f})")
+    return _finish(fig, ax, "loss (nats/token)")
+
+
+def load_figure(loads: list[dict], info: dict):
+    """The worst layer's max/mean expert load and each MoE layer's, labelled as ``run_info.json`` names them."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    steps = [r["step"] for r in loads]
+    ax.plot(steps, [r["load_max_over_mean"] for r in loads], label="worst layer")
+    n = len(loads[0].get("load_per_layer", []))
+    labels = info.get("load_layers") or [f"MoE layer {i + 1}" for i in range(n)]  # runs before load_layers
+    for i in range(n):
+        ax.plot(steps, [r["load_per_layer"][i] for r in loads], lw=0.8, alpha=0.6, label=labels[i])
+    ax.axhline(1.0, color="gray", ls="--")
+    return _finish(fig, ax, "expert load max / mean", fontsize=7, ncols=1 + n // 16)
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:
@@ -23,44 +65,16 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     recs = read_metrics(run_dir)
     if not recs:
         raise ValueError(f"{run_dir / 'metrics.jsonl'} is empty: nothing to plot yet")
-    out = []
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], label="train loss")
-    val = [r for r in recs if "val_loss" in r]
-    if val:
-        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")
-    info = run_dir / "run_info.json"
-    if info.exists():
-        import json
-
-        h = json.loads(info.read_text()).get("unigram_entropy_nats")
-        if h:
-            ax.axhline(h, color="gray", ls="--", label=f"unigram entropy ({h:.2f})")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(run_dir / "loss.png", dpi=110)
-    plt.close(fig)
-    out.append(run_dir / "loss.png")
+    info = json.loads((run_dir / "run_info.json").read_text()) if (run_dir / "run_info.json").exists() else {}
+    figures = {"loss.png": loss_figure(recs, info)}
     loads = [r for r in recs if "load_max_over_mean" in r]
     if loads:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot([r["step"] for r in loads], [r["load_max_over_mean"] for r in loads], label="max / mean (all layers)")
-        if "load_per_layer" in loads[0]:
-            for i in range(len(loads[0]["load_per_layer"])):
-                ax.plot([r["step"] for r in loads], [r["load_per_layer"][i] for r in loads], lw=0.8, alpha=0.6,
-                        label=f"MoE layer {i}")
-        ax.axhline(1.0, color="gray", ls="--")
-        ax.set_xlabel("step")
-        ax.set_ylabel("expert load max / mean")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(run_dir / "load.png", dpi=110)
+        figures["load.png"] = load_figure(loads, info)
+    out = []
+    for name, fig in figures.items():
+        fig.savefig(run_dir / name, dpi=110, bbox_inches="tight")
         plt.close(fig)
-        out.append(run_dir / "load.png")
+        out.append(run_dir / name)
     return out
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ..config import PRESETS
+from .common import add_verify_argument, int_at_least, int_in, number
 
 HELP = "serve a checkpoint over an OpenAI-compatible HTTP API (localhost by default)"
 
@@ -23,30 +24,35 @@ def add_arguments(p) -> None:
     src.add_argument("--preset", choices=list(PRESETS), help="with --random-init: a randomly initialised model")
     p.add_argument("--random-init", action="store_true", help="smoke tests: random weights and a small BPE")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int_in(1, 65535), default=8000, help="TCP port")
     p.add_argument("--model-name", default=None, help="the name clients pass as `model` (default: the directory)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="model dtype (auto: bfloat16 on CUDA, float32 on the CPU)")
     g = p.add_argument_group("page pool", POOL_HELP)
-    g.add_argument("--num-pages", type=int, default=None, help="device pages (default: from --memory-fraction)")
-    g.add_argument("--memory-fraction", type=float, default=0.8,
+    g.add_argument("--num-pages", type=int_at_least(2), default=None,
+                   help="device pages, one of them scratch (default: from --memory-fraction)")
+    g.add_argument("--memory-fraction", type=number(0, 1, lo_open=True), default=0.8,
                    help="of the free GPU memory after loading the model, for the pool (default 0.8)")
-    g.add_argument("--page-tokens", type=int, default=1024, help="MLA tokens per page (a multiple of --hash-block)")
-    g.add_argument("--hash-block", type=int, default=512,
+    g.add_argument("--page-tokens", type=int_at_least(1), default=1024,
+                   help="MLA tokens per page (a multiple of --hash-block)")
+    g.add_argument("--hash-block", type=int_at_least(1), default=512,
                    help="prefix-cache granularity in tokens: a shared prefix is reused at any multiple of it")
-    g.add_argument("--checkpoint-every", type=int, default=4,
+    g.add_argument("--checkpoint-every", type=int_at_least(1), default=4,
                    help="a KDA state checkpoint every N hash blocks (and at each prompt's last full block)")
-    g.add_argument("--host-pages", type=int, default=0,
+    g.add_argument("--host-pages", type=int_at_least(0), default=0,
                    help="the prefix cache's write-back tier: pages of CPU memory for evicted prefixes (default 0)")
     s = p.add_argument_group("scheduling")
-    s.add_argument("--max-batch", type=int, default=64, help="most requests running at once")
-    s.add_argument("--step-tokens", type=int, default=4096, help="most tokens per engine step (decodes + prefill)")
-    s.add_argument("--prefill-chunk", type=int, default=2048, help="most prompt tokens of one request per step")
-    s.add_argument("--long-prompt", type=int, default=32768,
+    s.add_argument("--max-batch", type=int_at_least(1), default=64, help="most requests running at once")
+    s.add_argument("--step-tokens", type=int_at_least(1), default=4096,
+                   help="most tokens per engine step (decodes + prefill)")
+    s.add_argument("--prefill-chunk", type=int_at_least(1), default=2048,
+                   help="most prompt tokens of one request per step")
+    s.add_argument("--long-prompt", type=int_at_least(1), default=32768,
                    help="prompts this long are the long class: they get at most half the prefill budget and the "
                         "pool while short requests wait")
     s.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (no graphs, no compile)")
+    add_verify_argument(p)
 
 
 def _random_model(preset: str, device, dtype):
@@ -65,8 +71,6 @@ def pool_pages(model, page_tokens: int, device, fraction: float, dtype) -> int:
 
     if torch.device(device).type != "cuda":
         return 512
-    if not 0 < fraction < 1:
-        raise ValueError(f"--memory-fraction must be in (0, 1), got {fraction}")
     free, _ = torch.cuda.mem_get_info(device)
     page = PageLayout.from_config(model.config, page_tokens, dtype).page_bytes
     return max(2, int(free * fraction) // page)
@@ -81,7 +85,7 @@ def run(args) -> int:
     device = resolve_device(args.device)
     dtype = inference_dtype(device, args.dtype)
     if args.checkpoint:
-        model, tok = load_for_inference(args.checkpoint, device, dtype)
+        model, tok = load_for_inference(args.checkpoint, device, dtype, verify=args.verify)
         name = args.model_name or Path(args.checkpoint).resolve().name
     else:
         if not args.random_init:

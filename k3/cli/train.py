@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 
-from ..train.loop import TrainConfig, train
-from .common import add_model_arguments
+from ..train.loop import MIN_SEQ_LEN, TrainConfig, train
+from .common import (add_device_argument, add_model_arguments, add_verify_argument, int_at_least, number, positive_int,
+                     seed)
 
 HELP = "train a model (resumes automatically when --out already holds a checkpoint)"
 
@@ -15,33 +17,41 @@ def add_train_arguments(p, defaults: TrainConfig) -> None:
     p.add_argument("--data", default=d.data, help="text file, directory or JSONL ({\"text\": ...} per line); "
                    "default: the Python standard library's source, embedded in every Python install")
     p.add_argument("--out", default=d.out, required=d.out is None, help="run directory (metrics, checkpoint, plots)")
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-batch")
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--grad-accum", type=int, default=d.grad_accum)
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (Muon and AdamW)")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--vocab-size", type=int, default=d.vocab_size, help="BPE vocabulary trained on the data")
-    p.add_argument("--data-max-bytes", type=int, default=d.data_max_bytes, help="read at most this much text")
+    p.add_argument("--steps", type=positive_int, default=d.steps,
+                   help="optimiser steps in all; a larger value extends a finished run")
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size, help="sequences per micro-batch")
+    p.add_argument("--seq-len", type=int_at_least(MIN_SEQ_LEN), default=d.seq_len, help="tokens per sequence")
+    p.add_argument("--grad-accum", type=positive_int, default=d.grad_accum, help="micro-batches per optimiser step")
+    p.add_argument("--lr", type=number(0, lo_open=True), default=d.lr, help="peak learning rate (Muon and AdamW)")
+    p.add_argument("--weight-decay", type=number(0), default=d.weight_decay, help="decoupled weight decay")
+    p.add_argument("--vocab-size", type=int_at_least(257, " (256 byte tokens + <|endoftext|>)"), default=d.vocab_size,
+                   help="BPE vocabulary trained on the data")
+    p.add_argument("--data-max-bytes", type=positive_int, default=d.data_max_bytes, help="read at most this much text")
+    p.add_argument("--doc-chars", type=positive_int, default=d.doc_chars,
+                   help="cut --data text at blank lines into documents of at most this many characters "
+                   "(default: max(8192, 8 x --seq-len)); raise it for long-context training")
     p.add_argument("--balance", choices=["quantile", "sign", "none"], default=d.balance,
                    help="router bias balancing: Quantile Balancing (K3), DeepSeek-V3's sign rule, or off")
-    p.add_argument("--mtp-weight", type=float, default=d.mtp_weight)
-    p.add_argument("--qk-clip", type=float, default=d.qk_clip_tau, metavar="TAU", help="0 disables QK-clip")
-    p.add_argument("--eval-every", type=int, default=d.eval_every)
-    p.add_argument("--log-every", type=int, default=d.log_every)
-    p.add_argument("--save-every", type=int, default=d.save_every)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--kda-backend", choices=["auto", "torch", "fla"], default=d.kda_backend)
-    p.add_argument("--activation-checkpointing", action="store_true", default=d.activation_checkpointing)
-    p.add_argument("--dp", type=int, default=d.dp, help="data-parallel ranks (FSDP2); --batch-size is per rank "
-                   "(per group of --cp ranks). Run under torchrun with --nproc_per_node = dp x cp x ep")
-    p.add_argument("--cp", type=int, default=d.cp, help="context-parallel ranks (KCP): each sequence is split "
-                   "along time; composes with --dp and --ep")
-    p.add_argument("--ep", type=int, default=d.ep, help="expert-parallel ranks (MoonEP): routed experts split "
-                   "over them, each rank its own slice of the batch; composes with --dp and --cp")
-    p.add_argument("--stop-after", type=int, default=d.stop_after, metavar="STEP",
+    p.add_argument("--mtp-weight", type=number(0), default=d.mtp_weight, help="weight of the MTP loss (0 = off)")
+    p.add_argument("--qk-clip", type=number(0), default=d.qk_clip_tau, metavar="TAU", help="0 disables QK-clip")
+    p.add_argument("--eval-every", type=positive_int, default=d.eval_every, help="validation loss every N steps")
+    p.add_argument("--log-every", type=positive_int, default=d.log_every, help="a metrics line every N steps")
+    p.add_argument("--save-every", type=positive_int, default=d.save_every, help="a checkpoint every N steps")
+    p.add_argument("--seed", type=seed, default=d.seed, help="model init, data order and split")
+    add_device_argument(p, d.device)
+    p.add_argument("--kda-backend", choices=["auto", "torch", "fla"], default=d.kda_backend,
+                   help="KDA kernels: fla-core's on CUDA (auto) or the pure-torch reference")
+    p.add_argument("--activation-checkpointing", action="store_true", default=d.activation_checkpointing,
+                   help="recompute activations in the backward: less memory, more time")
+    p.add_argument("--dp", type=positive_int, default=d.dp, help="data-parallel ranks (FSDP2); --batch-size is "
+                   "per rank (per group of --cp ranks). Run under torchrun with --nproc_per_node = dp x cp x ep")
+    p.add_argument("--cp", type=positive_int, default=d.cp, help="context-parallel ranks (KCP): each sequence is "
+                   "split along time; composes with --dp and --ep")
+    p.add_argument("--ep", type=positive_int, default=d.ep, help="expert-parallel ranks (MoonEP): routed experts "
+                   "split over them, each rank its own slice of the batch; composes with --dp and --cp")
+    p.add_argument("--stop-after", type=positive_int, default=d.stop_after, metavar="STEP",
                    help="stop after this step with a checkpoint; run the same command again to resume")
+    add_verify_argument(p)
 
 
 def config_from_args(args, base: TrainConfig) -> TrainConfig:
@@ -49,15 +59,26 @@ def config_from_args(args, base: TrainConfig) -> TrainConfig:
         base, out=args.out, preset=args.preset if not args.config else None, config=args.config, data=args.data,
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum, lr=args.lr,
         weight_decay=args.weight_decay, vocab_size=args.vocab_size, data_max_bytes=args.data_max_bytes,
-        balance=args.balance, mtp_weight=args.mtp_weight, qk_clip_tau=args.qk_clip or None,
+        doc_chars=args.doc_chars, balance=args.balance, mtp_weight=args.mtp_weight, qk_clip_tau=args.qk_clip or None,
         eval_every=args.eval_every, log_every=args.log_every, save_every=args.save_every, seed=args.seed,
         device=args.device, kda_backend=args.kda_backend, activation_checkpointing=args.activation_checkpointing,
-        stop_after=args.stop_after, dp=args.dp, cp=args.cp, ep=args.ep)
+        stop_after=args.stop_after, dp=args.dp, cp=args.cp, ep=args.ep, verify=args.verify)
 
 
 def add_arguments(p) -> None:
     add_model_arguments(p, default_preset="tiny")
     add_train_arguments(p, TrainConfig(out=None))
+
+
+def interrupted_message(out: str, e: KeyboardInterrupt) -> str:
+    """Where a run stopped by Ctrl-C can be resumed from (the checkpoint it saved, or the last one)."""
+    from ..train.state import find_checkpoint, read_step
+
+    ckpt = getattr(e, "checkpoint", None) or find_checkpoint(out)
+    if ckpt is None:
+        return f"interrupted before the first checkpoint (see --save-every); nothing saved in {out}"
+    step = getattr(e, "step", None) or read_step(ckpt)
+    return f"interrupted; the checkpoint of step {step} is in {ckpt}: run the same command again to resume from it"
 
 
 def run(args) -> int:
@@ -79,13 +100,17 @@ def run(args) -> int:
         par = DataParallel.from_env(device=cfg.device) if cfg.dp > 1 or DataParallel.launched() else None
     try:
         result = train(cfg, parallel=par)
+    except KeyboardInterrupt as e:
+        if par is None or par.rank == 0:
+            print(f"k3 train: {interrupted_message(cfg.out, e)}", file=sys.stderr)
+        return 130
     finally:
         if par is not None:
             par.close()
-    if par is not None and par.rank != 0:
+    if (par is not None and par.rank != 0) or result.get("already_complete"):
         return 0
     last = result["last"]
-    print(f"done: step {result['step']}, loss {last.get('loss', float('nan')):.4f}"
+    print(f"done: step {result['step']}, loss {last['loss']:.4f}"
           + (f", val_loss {last['val_loss']:.4f}" if "val_loss" in last else "")
           + f" (unigram entropy {result['unigram_entropy']:.3f} nats); checkpoint in {result['run']}/checkpoint")
     return 0

@@ -3,17 +3,22 @@
 The default corpus needs no download: every ``*.py`` under ``sysconfig.get_paths()["stdlib"]`` (without
 ``site-packages`` / ``dist-packages``), one document per file, in sorted relative-path order. CPython 3.11 ships
 about 30 MB of it: enough to train a small tokenizer and a small model end to end on any machine.
+
+User text (``load_documents``) is cut into documents of at most ``max_chars`` characters at blank lines
+(``split_text``): a book in one file becomes many documents, so the train/validation split, which goes by
+document, has something to split.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Document", "stdlib_documents", "load_documents", "TEXT_SUFFIXES"]
+__all__ = ["Document", "stdlib_documents", "load_documents", "split_text", "TEXT_SUFFIXES"]
 
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")  # what load_documents takes from a directory
@@ -84,10 +89,55 @@ def leading_documents(documents, max_bytes: int) -> list[Document]:
     return kept
 
 
-def load_documents(path: str | os.PathLike) -> list[Document]:
+_BLANK_LINES = re.compile(r"\n[ \t]*\n\s*")  # a paragraph break: a blank line and any whitespace after it
+
+
+def _cut(text: str, max_chars: int, sep: re.Pattern | None) -> list[str]:
+    """Consecutive pieces of ``text`` (concatenating to it) cut after ``sep`` matches, each piece as long as
+    possible up to ``max_chars``; a unit longer than that is cut at line ends, then anywhere."""
+    if len(text) <= max_chars:
+        return [text]
+    if sep is None:
+        return [text[i:i + max_chars] for i in range(0, len(text), max_chars)]
+    ends = [m.end() for m in sep.finditer(text)] + [len(text)]
+    units = [text[a:b] for a, b in zip([0] + ends, ends) if b > a]
+    finer = re.compile(r"\n") if sep is _BLANK_LINES else None
+    pieces, cur = [], ""
+    for u in units:
+        if len(cur) + len(u) <= max_chars:
+            cur += u
+            continue
+        if cur:
+            pieces.append(cur)
+        cur = ""
+        if len(u) <= max_chars:
+            cur = u
+        else:
+            pieces.extend(_cut(u, max_chars, finer))
+    return pieces + [cur] if cur else pieces
+
+
+def split_text(text: str, max_chars: int) -> list[str]:
+    """``text`` cut at paragraph breaks (blank lines) into pieces of at most ``max_chars`` characters, as few
+    as greedy packing of whole paragraphs allows; a longer paragraph is cut at line ends, a longer line anywhere.
+    The pieces concatenate back to ``text``; pieces of whitespace only are dropped."""
+    if max_chars < 1:
+        raise ValueError(f"max_chars must be >= 1; got {max_chars}")
+    return [p for p in _cut(text, max_chars, _BLANK_LINES) if p.strip()]
+
+
+def _split(doc: Document, max_chars: int | None) -> list[Document]:
+    if max_chars is None or len(doc.text) <= max_chars:
+        return [doc]
+    return [Document(f"{doc.id}#{i}", t) for i, t in enumerate(split_text(doc.text, max_chars))]
+
+
+def load_documents(path: str | os.PathLike, max_chars: int | None = None) -> list[Document]:
     """Documents from ``path``: a ``.jsonl`` file (one ``{"text": ...}`` object per line, optional string
     ``"id"``), a directory (every *.txt, *.md, *.py, *.rst below it, sorted; hidden entries skipped; ids are
-    relative paths), or any other file (one document, id = its name). Empty documents are dropped."""
+    relative paths), or any other file (one document, id = its name). Empty documents are dropped.
+    ``max_chars``: a document longer than this is cut at blank lines (``split_text``) into documents with ids
+    ``<id>#0``, ``<id>#1``, ...; None keeps every document whole."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"corpus path {str(path)!r} does not exist; expected a text file, a .jsonl file "
@@ -97,13 +147,14 @@ def load_documents(path: str | os.PathLike) -> list[Document]:
         if not docs:
             raise ValueError(f"directory {str(path)!r} holds no non-empty text files; expected files ending in "
                              f"{', '.join(TEXT_SUFFIXES)} (searched recursively, hidden entries skipped)")
-        return docs
-    if path.suffix == ".jsonl":
-        return _load_jsonl(path)
-    text = _read(path)
-    if not text:
-        raise ValueError(f"corpus file {str(path)!r} is empty; give a file with text in it")
-    return [Document(path.name, text)]
+    elif path.suffix == ".jsonl":
+        docs = _load_jsonl(path)
+    else:
+        text = _read(path)
+        if not text:
+            raise ValueError(f"corpus file {str(path)!r} is empty; give a file with text in it")
+        docs = [Document(path.name, text)]
+    return [piece for d in docs for piece in _split(d, max_chars)]
 
 
 def _load_jsonl(path: Path) -> list[Document]:

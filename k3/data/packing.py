@@ -27,13 +27,16 @@ def _hash64(text: str) -> int:
 
 def split_documents(docs: Sequence, val_fraction: float = 0.05, seed: int = 0) -> tuple[list, list]:
     """(train, val): a document goes to val iff the hash of (seed, its id) < val_fraction. The side of a
-    document depends on its id alone, so adding, removing or reordering others never moves it. Order is kept."""
+    document depends on its id alone, so adding, removing or reordering others never moves it. Order is kept.
+    When no document hashes into val but there are two or more (a small corpus), the one with the lowest hash
+    goes to val, so that validation is never empty while it can be filled."""
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1); got {val_fraction}")
-    train, val = [], []
-    for d in docs:
-        (val if _hash64(f"{seed}:{d.id}") < val_fraction * 2**64 else train).append(d)
-    return train, val
+    hashes = [_hash64(f"{seed}:{d.id}") for d in docs]
+    to_val = [h < val_fraction * 2**64 for h in hashes]
+    if val_fraction > 0 and not any(to_val) and len(docs) >= 2:
+        to_val[hashes.index(min(hashes))] = True
+    return [d for d, v in zip(docs, to_val) if not v], [d for d, v in zip(docs, to_val) if v]
 
 
 def pack_stream(token_docs: Sequence[Sequence[int]], eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,10 +52,10 @@ def pack_stream(token_docs: Sequence[Sequence[int]], eos_id: int) -> tuple[torch
 
 
 def _sample(tokens: torch.Tensor, doc_starts: torch.Tensor, i: int, seq_len: int):
-    lo, hi = i * seq_len, (i + 1) * seq_len
+    lo, hi = i * seq_len, min((i + 1) * seq_len, len(tokens))  # the last sample may be short (drop_last=False)
     a, b = torch.searchsorted(doc_starts, torch.tensor([lo + 1, hi])).tolist()  # starts strictly inside (lo, hi)
     inner = doc_starts[a:b] - lo
-    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), inner, torch.tensor([seq_len])])  # [S+1]
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), inner, torch.tensor([hi - lo])])  # [S+1]
     return tokens[lo:hi].long(), cu_seqlens  # input_ids [T] int64
 
 
@@ -73,15 +76,16 @@ class PackedDataset:
     (shuffle_seed, 0), then epoch 1, and so on (a batch may straddle two epochs). ``state_dict`` holds the
     cursor (epoch, position in that epoch's order), so a restored dataset yields exactly the next batches.
     ``shuffle_seed=None`` keeps stream order. One cursor per dataset: run one ``batches`` iterator at a time.
+    ``drop_last=False`` keeps the last < T tokens as a shorter final sample (for validation: nothing unseen).
     """
 
     def __init__(self, token_docs: Sequence[Sequence[int]], seq_len: int, eos_id: int,
-                 shuffle_seed: int | None = 0):
+                 shuffle_seed: int | None = 0, drop_last: bool = True):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1; got {seq_len}")
         self.seq_len, self.eos_id, self.shuffle_seed = seq_len, eos_id, shuffle_seed
         self.tokens, self.doc_starts = pack_stream(token_docs, eos_id)  # [N] int32, [D] int64
-        self.num_samples = len(self.tokens) // seq_len
+        self.num_samples = len(self.tokens) // seq_len if drop_last else -(-len(self.tokens) // seq_len)
         if self.num_samples == 0:
             raise ValueError(f"the documents pack into {len(self.tokens)} tokens (EOS included), fewer than one "
                              f"sample of seq_len={seq_len}; use a smaller seq_len or more documents")
@@ -94,7 +98,7 @@ class PackedDataset:
     @property
     def dropped_tokens(self) -> int:
         """Tokens at the end of the stream that fill no whole sample."""
-        return len(self.tokens) - self.num_samples * self.seq_len
+        return max(len(self.tokens) - self.num_samples * self.seq_len, 0)
 
     def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids [T] int64, cu_seqlens [S+1] int64) of sample i in stream order."""
@@ -116,7 +120,8 @@ class PackedDataset:
     def collate(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """Samples packed into one row: {"input_ids" [1, B*T] int64, "cu_seqlens" [S+1] int64}."""
         ids, cus = zip(*(self.sample(int(i)) for i in indices))
-        offsets = [cu[1:] + j * self.seq_len for j, cu in enumerate(cus)]  # cu[0] = 0 is the previous cu[-1]
+        starts = torch.tensor([0] + [len(x) for x in ids[:-1]]).cumsum(0).tolist()  # only a last sample is short
+        offsets = [cu[1:] + s for s, cu in zip(starts, cus)]  # cu[0] = 0 is the previous cu[-1]
         return {"input_ids": torch.cat(ids).unsqueeze(0),
                 "cu_seqlens": torch.cat([torch.zeros(1, dtype=torch.int64), *offsets])}
 

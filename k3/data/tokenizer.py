@@ -8,13 +8,13 @@ its script. ``<|endoftext|>`` is id 0 and separates documents in the packed stre
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from ..atomic import write_text_atomic
 from .corpus import Document
 
 __all__ = ["EOS", "train_tokenizer", "save_tokenizer", "load_tokenizer", "encode", "encode_documents",
@@ -62,14 +62,7 @@ def save_tokenizer(tok: Tokenizer, path: str | os.PathLike) -> Path:
     path = Path(path)
     target = path if path.suffix == ".json" else path / TOKENIZER_FILE
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tokenizer.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(tok.to_str())
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_text_atomic(target, tok.to_str())
     return target
 
 
@@ -80,7 +73,12 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     if not file.is_file():
         raise FileNotFoundError(f"no tokenizer at {str(file)!r}; pass a directory holding {TOKENIZER_FILE} "
                                 "or the path of the json file (train one with train_tokenizer + save_tokenizer)")
-    return _prepare(Tokenizer.from_file(str(file)))
+    try:
+        tok = Tokenizer.from_file(str(file))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for any unreadable file
+        raise ValueError(f"{file} is not a valid tokenizer.json ({e}); replace it with the tokenizer.json of the "
+                         "run or model it belongs to") from None
+    return _prepare(tok)
 
 
 def eos_id(tok: Tokenizer) -> int:

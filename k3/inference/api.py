@@ -5,6 +5,7 @@ The server and the CLI speak only these types; ``k3.inference.Engine`` implement
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -22,11 +23,11 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
+        if not 0 < self.top_p <= 1:  # false for nan too
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.logprobs <= 5:
             raise ValueError(f"logprobs must be in [0, 5], got {self.logprobs}")

@@ -3,15 +3,18 @@
 Types are strict (``"max_tokens": "5"`` is an error, not 5); unknown fields are ignored, as OpenAI's own API
 does with fields it does not know; fields whose non-default values this server cannot honour (``n`` > 1,
 ``echo``, ``best_of``, penalties, tools...) are rejected with a message naming them. ``top_k`` is an
-extension (0 or -1 = off). Every error is HTTP 400 with the body
+extension (0 or -1 = off). Text must be valid Unicode: a lone UTF-16 surrogate (``"\ud800"``, which JSON can
+spell but no encoding can carry) is refused with the field named; ``seed`` must fit the sampler's 64-bit
+generator. Every error is HTTP 400 with the body
 ``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 __all__ = ["APIError", "CompletionRequest", "ChatRequest", "ChatMessage", "error_body", "validation_message"]
 
@@ -44,9 +47,23 @@ def _short(value: Any) -> str:
     return r if len(r) <= 80 else r[:77] + "..."
 
 
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PydanticCustomError("lone_surrogate", "contains a lone UTF-16 surrogate ({char}) at character "
+                                  "{pos}, which is not text; send valid Unicode (surrogates only in pairs)",
+                                  {"char": f"\\u{ord(text[e.start]):04x}", "pos": e.start}) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
 def validation_message(errors: list[dict]) -> tuple[str, str | None, str]:
-    """(message, param, code) for pydantic/FastAPI validation errors, naming the first offending field."""
-    e = errors[0]
+    """(message, param, code) for pydantic/FastAPI validation errors, naming the first offending field (a lone
+    surrogate first: the other members of a union would only say the type is wrong)."""
+    e = next((x for x in errors if x.get("type") == "lone_surrogate"), errors[0])
     raw = [str(x) for x in e.get("loc", ()) if x != "body"]
     # union members add their type to the location (prompt.str, stop.list[str]): keep the field path only
     loc = [x for x in raw if not any(c in x for c in "[]()") and x not in ("str", "int", "float", "bool")]
@@ -64,6 +81,8 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None, str]:
                     "'Content-Type: application/json'"), None, "invalid_json"
         return f"the request body must be a JSON object; got {_short(e.get('input'))}", None, "invalid_type"
     field = loc[-1] if not loc[-1].isdigit() else loc[-2]
+    if e.get("type") == "lone_surrogate":
+        return f"invalid value for {param}: {e.get('msg')}", param, "invalid_value"
     if raw != loc and field in _EXPECTED:
         return f"invalid value for {param}: expected {_EXPECTED[field]}", param, "invalid_type"
     code = "invalid_type" if e.get("type", "").endswith(("_type", "_parsing")) else "invalid_value"
@@ -85,8 +104,8 @@ class _Sampling(_Body):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**64 - 1)  # what torch.Generator.manual_seed takes
+    stop: Text | list[Text] | None = None
     n: int | None = Field(None, ge=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -112,7 +131,7 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool | None = False
     best_of: int | None = None
@@ -122,12 +141,12 @@ class CompletionRequest(_Sampling):
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
     name: str | None = None
 
     def text(self) -> str:

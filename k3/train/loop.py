@@ -17,15 +17,23 @@ from pathlib import Path
 import torch
 
 from ..config import K3Config
-from ..data import (PackedDataset, encode_documents, eos_id, leading_documents, load_documents, load_tokenizer,
-                    save_tokenizer, split_documents, stdlib_documents, train_tokenizer, unigram_entropy)
+from ..data import PackedDataset
 from ..model.transformer import K3ForCausalLM
+from . import data as run_data
 from .balance import ExpertBalancer
-from .metrics import MetricsLog, Progress
+from .interrupt import StopRequest, TrainingInterrupted
+from .metrics import MetricsLog, Progress, moe_layer_labels, read_metrics
 from .optim import build_optimizer
 from .qk_clip import enable_max_logit_tracking, qk_clip_
-from .schedule import build_scheduler
-from .state import find_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .schedule import build_scheduler, resume_point
+from .state import check_resumable, find_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+
+MIN_SEQ_LEN = 4  # shorter samples can hold no next-token or MTP target at all (the loss would be 0/0)
+# the smallest value of each integer setting (None, where allowed, means "all" / "never")
+MINIMUMS = {"steps": 1, "batch_size": 1, "seq_len": MIN_SEQ_LEN, "grad_accum": 1, "eval_every": 1, "eval_batches": 1,
+            "log_every": 1, "save_every": 1, "data_max_bytes": 1, "doc_chars": 1, "tokenizer_bytes": 1,
+            "stop_after": 1, "dp": 1, "cp": 1, "ep": 1}
+DOC_CHARS_PER_TOKEN = 8  # default --doc-chars: 8 x seq_len characters (about two samples of text), at least 8192
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,8 @@ class TrainConfig:
     config: str | None = None  # an HF config.json; overrides preset
     data: str | None = None  # text file, directory or JSONL; None = the embedded standard-library corpus
     data_max_bytes: int | None = None  # cap on corpus bytes read (None = all)
+    doc_chars: int | None = None  # user text is cut at blank lines into documents of at most this many characters
+    # (None = max(8192, 8 x seq_len)); the embedded corpus is one document per file
     tokenizer_bytes: int = 5_000_000  # bytes of training text the BPE is learned from
     vocab_size: int = 4096
     steps: int = 1000
@@ -62,6 +72,29 @@ class TrainConfig:
     dp: int = 1  # data-parallel ranks (FSDP2) when run under torchrun; batch_size is per rank
     cp: int = 1  # context-parallel ranks: every sequence is split along time over them (KCP + gathered MLA)
     ep: int = 1  # expert-parallel ranks: routed experts sharded, MoonEP-balanced all-to-all dispatch
+    verify: bool = True  # check the checkpoint's SHA256SUMS before resuming from it
+
+    def __post_init__(self):
+        def need(ok: bool, name: str, what: str) -> None:
+            if not ok:
+                raise ValueError(f"TrainConfig.{name} {what}; got {getattr(self, name)!r}")
+
+        for name, lo in MINIMUMS.items():
+            v = getattr(self, name)
+            need(v is None or v >= lo, name, f"must be >= {lo}")
+        finite = lambda name: math.isfinite(getattr(self, name))  # noqa: E731
+        need(finite("lr") and self.lr > 0, "lr", "must be a positive number")
+        for name in ("weight_decay", "mtp_weight", "grad_clip"):
+            need(finite(name) and getattr(self, name) >= 0, name, "must be a number >= 0")
+        need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+        need(0 <= self.warmup_frac < 1, "warmup_frac", "must be in [0, 1)")
+        need(0 < self.val_fraction < 1, "val_fraction", "must be in (0, 1): training reports a validation loss")
+        need(self.qk_clip_tau is None or self.qk_clip_tau > 0, "qk_clip_tau", "must be > 0 (None disables QK-clip)")
+        need(self.balance in ("quantile", "sign", "none"), "balance", "must be quantile, sign or none")
+
+    @property
+    def max_doc_chars(self) -> int:
+        return self.doc_chars or max(8192, DOC_CHARS_PER_TOKEN * self.seq_len)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -107,28 +140,23 @@ def _quiet(*args, **kwargs) -> None:
 
 
 def resolve_device(name: str) -> torch.device:
+    """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda``, ``cuda:N``, ...; a device this machine does not
+    have is refused here with what to use instead, not deep inside PyTorch."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def _documents(cfg: TrainConfig):
-    docs = stdlib_documents(cfg.data_max_bytes) if cfg.data is None else load_documents(cfg.data)
-    if cfg.data is not None and cfg.data_max_bytes:
-        docs = leading_documents(docs, cfg.data_max_bytes)
-    return docs
-
-
-def _tokenizer(cfg: TrainConfig, train_docs, run: Path, resume_from: Path | None):
-    if resume_from is not None:
-        tok = load_tokenizer(resume_from / "tokenizer.json")
-        if not (run / "tokenizer.json").exists():
-            save_tokenizer(tok, run / "tokenizer.json")
-        return tok
-    # learn the BPE on a prefix of the training split (deterministic)
-    tok = train_tokenizer(leading_documents(train_docs, cfg.tokenizer_bytes), cfg.vocab_size)
-    save_tokenizer(tok, run / "tokenizer.json")
-    return tok
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a device name; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ValueError(f"--device {name}: no CUDA device is available (torch {torch.__version__}"
+                             f"{' is a CPU-only build' if torch.version.cuda is None else ' sees no GPU'}); "
+                             "use --device cpu (or auto)")
+        if device.index is not None and device.index >= n:
+            raise ValueError(f"--device {name}: this machine has {n} CUDA device(s), cuda:0 to cuda:{n - 1}")
+    return device
 
 
 def _model_config(cfg: TrainConfig, vocab: int) -> K3Config:
@@ -145,17 +173,34 @@ def evaluate(model, dataset: PackedDataset, batch_size: int, max_batches: int, d
     for i, b in enumerate(dataset.eval_batches(batch_size)):
         if i >= max_batches:
             break
+        count = b["input_ids"].numel() - (b["cu_seqlens"].numel() - 1)  # positions predicting their own document
+        if count == 0:  # a last, short batch of one-token segments: nothing to score
+            continue
         ids, cu = b["input_ids"].to(device), b["cu_seqlens"].to(device)
         with amp:
             loss = model(ids, cu_seqlens=cu, labels=ids, mtp_weight=0.0, return_logits=False)["lm_loss"]
-        count = ids.numel() - (cu.numel() - 1)  # positions that predict a token of their own document
         total, n = total + loss.item() * count, n + count
     model.train(was)
     return total / max(n, 1)
 
 
 def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
-    """Run (or resume) training. ``parallel``: a k3.distributed DataParallel under torchrun, else one process."""
+    """Run (or resume) training. ``parallel``: a k3.distributed DataParallel under torchrun, else one process.
+    In one process, Ctrl-C stops after the current step with a checkpoint and raises TrainingInterrupted."""
+    with StopRequest(enabled=parallel is None or parallel.world == 1) as stop:
+        return _train(cfg, log, parallel, stop)
+
+
+def _already_complete(run: Path, ckpt: Path, done: int, cfg: TrainConfig, log) -> dict:
+    log(f"{run} is already complete: its checkpoint {ckpt} is at step {done} (--steps {cfg.steps}); rerun with a "
+        "larger --steps to train further")
+    recs = read_metrics(run) if (run / "metrics.jsonl").exists() else []
+    info = json.loads((run / "run_info.json").read_text()) if (run / "run_info.json").exists() else {}
+    return {"step": done, "last": recs[-1] if recs else {}, "unigram_entropy": info.get("unigram_entropy_nats"),
+            "run": str(run), "params": info.get("params"), "already_complete": True}
+
+
+def _train(cfg: TrainConfig, log, parallel, stop: StopRequest) -> dict:
     run = Path(cfg.out)
     par = parallel or SingleProcess(resolve_device(cfg.device))
     rank, world = par.rank, par.world
@@ -170,29 +215,17 @@ def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
         log = _quiet
     resume_from = find_checkpoint(run)
     if resume_from is not None:
-        saved = json.loads((resume_from / "train_config.json").read_text())
-        changed = {k for k in ("preset", "config", "data", "data_max_bytes", "vocab_size", "seq_len", "batch_size",
-                               "grad_accum", "steps", "lr", "seed") if saved.get(k) != getattr(cfg, k)}
-        if changed:
-            raise ValueError(f"{resume_from} was written by a run with different {sorted(changed)}; "
-                             f"resume with the same settings or use a new --out directory")
+        done, saved_steps = check_resumable(resume_from, cfg.to_json(), cfg.verify)
+        if done >= cfg.steps:
+            return _already_complete(run, resume_from, done, cfg, log)
 
-    docs = _documents(cfg)
-    train_docs, val_docs = split_documents(docs, cfg.val_fraction, cfg.seed)
-    tok = _tokenizer(cfg, train_docs, run, resume_from) if rank == 0 else None
-    par.barrier()
-    if tok is None:  # the other ranks read the tokenizer rank 0 trained (or the checkpoint's)
-        tok = load_tokenizer((resume_from or run) / "tokenizer.json")
-    eos = eos_id(tok)
-    train_ids, val_ids = encode_documents(tok, train_docs), encode_documents(tok, val_docs)
-    train_set = PackedDataset(train_ids, cfg.seq_len, eos, shuffle_seed=cfg.seed)
-    val_set = PackedDataset(val_ids, cfg.seq_len, eos, shuffle_seed=None)
-    entropy = unigram_entropy(val_set.tokens)
-    mcfg = _model_config(cfg, tok.get_vocab_size())
+    data = run_data.prepare(cfg, run, resume_from, par)
+    train_set, val_set, entropy = data.train, data.val, data.unigram_entropy
+    mcfg = _model_config(cfg, data.tokenizer.get_vocab_size())
 
     torch.manual_seed(cfg.seed)
     if resume_from is not None:
-        model, state = load_checkpoint(resume_from, mcfg)
+        model, state = load_checkpoint(resume_from, mcfg, verify=False)  # verified by check_resumable
         model.to(device)
     else:
         model, state = K3ForCausalLM(mcfg).to(device), None
@@ -201,7 +234,9 @@ def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
     model.train()
     par.shard(model)  # FSDP2 under data parallelism: parameters, gradients and optimiser state sharded
     optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = build_scheduler(optimizer, cfg.steps, cfg.warmup_frac, cfg.min_lr_ratio)
+    resumed_at = None if state is None else resume_point(state, saved_steps, cfg.steps, cfg.warmup_frac,
+                                                         cfg.min_lr_ratio)
+    scheduler = build_scheduler(optimizer, cfg.steps, cfg.warmup_frac, cfg.min_lr_ratio, resumed_at)
     balancer = ExpertBalancer(model, method=cfg.balance) if cfg.balance != "none" and mcfg.num_experts else None
     if cfg.qk_clip_tau:
         enable_max_logit_tracking(model)
@@ -224,6 +259,7 @@ def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
     if rank == 0:
         (run / "run_info.json").write_text(json.dumps({"params": n_params, "unigram_entropy_nats": entropy,
                                                        "train_sequences": len(train_set), "val_sequences": len(val_set),
+                                                       "load_layers": moe_layer_labels(model),
                                                        "train_config": cfg.to_json()}, indent=2) + "\n")
 
     batches = train_set.batches(cfg.batch_size * cfg.dp * cfg.ep)  # the global batch; the parallel context splits it
@@ -231,6 +267,8 @@ def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
     last = {}
     t_last, tok_last = time.time(), tokens
     end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
+    stopping = False
+    stop.arm()
     while step < end:
         loss_sum, mtp_sum = 0.0, 0.0
         for _ in range(cfg.grad_accum):
@@ -274,16 +312,22 @@ def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
             metrics.write(rec)
             progress.update(step, rec, force="val_loss" in rec)
         last = rec
-        if step % cfg.save_every == 0 or step == end:
+        stopping = stop.requested and step < end  # read once: the checkpoint is of the step the run stops at
+        if step % cfg.save_every == 0 or step == end or stopping:
             trainer = {"scheduler": scheduler.state_dict(), "step": step, "tokens": tokens, "rng": rng_state(),
                        "balancer": balancer.state_dict() if balancer is not None else None,
-                       "data": train_set.state_dict()}
+                       "data": train_set.state_dict(),
+                       "schedule": {"total_steps": cfg.steps, "resumed_at": resumed_at}}
             if world == 1:
                 save_checkpoint(run, model, run / "tokenizer.json", {**trainer, "optimizer": optimizer.state_dict()},
                                 cfg.to_json())
             else:
                 save_checkpoint(run, model, run / "tokenizer.json", trainer, cfg.to_json(),
                                 model_state=par.full_state(model), optimizer_shard=optimizer.state_dict())
+        if stopping:
+            break
     if progress is not None:
         progress.close()
+    if stopping:
+        raise TrainingInterrupted(step, run / "checkpoint")
     return {"step": step, "last": last, "unigram_entropy": entropy, "run": str(run), "params": n_params}

@@ -24,6 +24,20 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
 
 
+def moe_layer_labels(model) -> list[str]:
+    """Names of the model's MoE layers in the balancer's order (``load_per_layer``), numbered from 1 as the README
+    numbers layers: "layer 2", ..., "MTP 1"."""
+    from ..layers.width.latent_moe import LatentMoE  # train sits above layers
+
+    labels = []
+    for name, m in model.named_modules():
+        if isinstance(m, LatentMoE):
+            parts = name.split(".")
+            labels.append(f"layer {int(parts[2]) + 1}" if parts[:2] == ["model", "layers"] else
+                          f"MTP {int(parts[1]) + 1}" if parts[0] == "mtp" else name)
+    return labels
+
+
 def read_metrics(path: Path) -> list[dict]:
     path = Path(path)
     if path.is_dir():

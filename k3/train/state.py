@@ -6,6 +6,7 @@ A checkpoint is a directory ``RUN/checkpoint``:
     tokenizer.json                                        the run's tokenizer
     trainer_state.pt                                      optimiser, scheduler, balancer, data position, RNG, step
     train_config.json                                     the TrainConfig the run was started with
+    SHA256SUMS                                            a checksum of every file (k3.checkpoint.manifest)
 
 It is written into a temporary sibling directory and renamed into place, so a crash mid-write leaves the
 previous checkpoint intact (``checkpoint.old`` is only there during the swap and is used if found alone).
@@ -24,9 +25,15 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import CheckpointError, load_pretrained, save_pretrained
+from ..checkpoint.manifest import record_checksums, verify_checksums
 from ..config import K3Config
 
 NAME, OLD = "checkpoint", "checkpoint.old"
+TRAINER_FILES = ("tokenizer.json", "trainer_state.pt", "train_config.json")
+# settings a run cannot change on resume: the data cursor, the optimiser state or the model depend on them
+# (--steps may change: see k3.train.schedule)
+FIXED_ON_RESUME = ("preset", "config", "data", "data_max_bytes", "doc_chars", "val_fraction", "vocab_size", "seq_len",
+                   "batch_size", "grad_accum", "lr", "weight_decay", "warmup_frac", "min_lr_ratio", "balance", "seed")
 
 
 def rng_state() -> dict:
@@ -65,6 +72,8 @@ def save_checkpoint(run_dir: Path, model, tokenizer_path: Path, trainer_state: d
         _barrier(world)
         final, old = run_dir / NAME, run_dir / OLD
         if rank == 0:
+            shards = [f"optimizer.rank{r}.pt" for r in range(world)] if optimizer_shard is not None else []
+            record_checksums(tmp, [*TRAINER_FILES, *shards])  # the weights' sums are in already (save_pretrained)
             if final.exists():
                 shutil.rmtree(old, ignore_errors=True)
                 os.replace(final, old)
@@ -91,15 +100,48 @@ def find_checkpoint(run_dir: Path) -> Path | None:
     return None
 
 
-def load_checkpoint(ckpt: Path, expected: K3Config | None, device="cpu"):
-    """-> (model, trainer_state). Raises CheckpointError naming what does not match or cannot be read."""
+def read_step(ckpt: Path) -> int:
+    """The step a checkpoint was saved at, without reading its tensors (memory-mapped)."""
+    try:
+        return int(torch.load(Path(ckpt) / "trainer_state.pt", map_location="cpu", weights_only=False,
+                              mmap=True)["step"])
+    except Exception as e:  # noqa: BLE001 - any failure means the file is damaged
+        raise CheckpointError(f"{Path(ckpt) / 'trainer_state.pt'} could not be read (truncated or corrupt?): {e}") \
+            from None
+
+
+def check_resumable(ckpt: Path, train_config: dict, verify: bool = True) -> tuple[int, int]:
+    """Before resuming from ``ckpt``: verify its files (unless ``verify`` is False), refuse a run whose fixed
+    settings differ (naming each, with both values). Returns (the step it was saved at, its run's --steps)."""
     ckpt = Path(ckpt)
+    if verify:
+        verify_checksums(ckpt)
+    try:
+        saved = json.loads((ckpt / "train_config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{ckpt / 'train_config.json'} could not be read ({e}); the checkpoint is "
+                              "incomplete or corrupt") from None
+    changed = [f"--{k.replace('_', '-')} {saved.get(k)} (now {train_config[k]})" for k in FIXED_ON_RESUME
+               if saved.get(k) != train_config[k]]
+    if changed:
+        raise ValueError(f"{ckpt} was written by a run with different settings: {', '.join(changed)}; resume with "
+                         "the same values (only --steps and the logging/saving options may change) or use a new "
+                         "--out directory")
+    return read_step(ckpt), saved["steps"]
+
+
+def load_checkpoint(ckpt: Path, expected: K3Config | None, device="cpu", verify: bool = True):
+    """-> (model, trainer_state). Raises CheckpointError naming what does not match or cannot be read.
+    ``verify``: check every file against the checkpoint's SHA256SUMS first."""
+    ckpt = Path(ckpt)
+    if verify:
+        verify_checksums(ckpt)
     saved = K3Config.from_hf(ckpt)
     if expected is not None and saved != expected:
         diff = [f for f in expected.__dataclass_fields__ if getattr(saved, f) != getattr(expected, f)]
         raise CheckpointError(f"{ckpt} was written for another model config (fields differ: {diff}); "
                               f"resume with the same --preset/--config or start a new --out directory")
-    model = load_pretrained(ckpt, config=saved, device=device, dtype=torch.float32)
+    model = load_pretrained(ckpt, config=saved, device=device, dtype=torch.float32, verify=False)  # verified above
     state = _load(ckpt / "trainer_state.pt")
     world = dist.get_world_size() if dist.is_initialized() else 1
     if state.get("world_size", 1) != world:

@@ -1,10 +1,12 @@
 import json
+import re
 import sysconfig
 from pathlib import Path
 
 import pytest
 
 from k3.data import Document, leading_documents, load_documents, stdlib_documents
+from k3.data.corpus import split_text
 
 
 def test_stdlib_corpus_full():
@@ -85,3 +87,37 @@ def test_leading_documents_stop_at_the_one_that_reaches_the_budget():
     assert [d.id for d in leading_documents(docs, 7)] == ["0", "1"]  # 3 + 4 reaches 7
     assert [d.id for d in leading_documents(docs, 8)] == ["0", "1", "2"]  # the one that crosses is kept whole
     assert [d.id for d in leading_documents(docs, 100)] == ["0", "1", "2", "3"]
+
+
+def test_split_text_cuts_at_blank_lines_and_loses_nothing():
+    paras = [f"paragraph {i}: " + "word " * (i * 7 % 30) + "\n" for i in range(40)]  # each < 170 characters
+    prose = "\n".join(paras) + "\n \t\n"
+    text = prose + "x" * 450 + "\n" + "y" * 50
+    for max_chars in (64, 200, 1000, len(text)):
+        pieces = split_text(text, max_chars)
+        assert all(len(p) <= max_chars and p.strip() for p in pieces)
+        # nothing is lost but whitespace-only pieces at a cut (64 < some paragraphs + their blank line)
+        squeeze = lambda t: "".join(t.split())  # noqa: E731
+        assert "".join(pieces) == text if max_chars >= 200 else squeeze("".join(pieces)) == squeeze(text)
+    pieces = split_text(text, 200)
+    prose_pieces = pieces[:len(split_text(prose, 200))]
+    assert "".join(prose_pieces) == prose  # the prose is cut at its paragraph breaks only
+    assert all(re.search(r"\n[ \t]*\n\s*$", p) for p in prose_pieces)
+    assert pieces[len(prose_pieces):] == ["x" * 200, "x" * 200, "x" * 50 + "\n", "y" * 50]  # a long line: anywhere
+    assert split_text(text, len(text)) == [text]
+    with pytest.raises(ValueError, match="max_chars"):
+        split_text(text, 0)
+
+
+def test_long_files_become_several_documents(tmp_path):
+    book = tmp_path / "book.txt"
+    text = "".join(f"Chapter {i}. " + "It was a dark and stormy night. " * 20 + "\n\n" for i in range(30))
+    book.write_text(text)
+    docs = load_documents(book, max_chars=2000)
+    assert len(docs) > 1 and "".join(d.text for d in docs) == text
+    assert [d.id for d in docs] == [f"book.txt#{i}" for i in range(len(docs))]
+    assert load_documents(book) == [Document("book.txt", text)]  # None: every document whole
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"text": text, "id": "long"}) + "\n" + json.dumps({"text": "short"}) + "\n")
+    docs = load_documents(rows, max_chars=2000)
+    assert docs[0].id == "long#0" and docs[-1] == Document("rows.jsonl:2", "short")

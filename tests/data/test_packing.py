@@ -155,3 +155,32 @@ def test_batch_runs_through_the_model():
     with torch.no_grad():
         out = model(**batch, labels=batch["input_ids"])
     assert out["logits"].shape[:2] == (1, 32) and torch.isfinite(out["loss"])
+
+
+def test_split_always_holds_out_validation_when_it_can():
+    """A small corpus whose documents all hash into train still gets one validation document: the lowest hash."""
+    docs = [Document(f"chapter-{i}", "x") for i in range(5)]
+    train, val = split_documents(docs, val_fraction=0.05, seed=0)
+    assert len(val) == 1 and len(train) == 4 and val[0] not in train
+    assert val == split_documents(docs[::-1], val_fraction=0.05, seed=0)[1]  # by hash, not position
+    assert split_documents(docs[:1], val_fraction=0.05) == (docs[:1], [])  # one document: nothing to hold out
+    assert split_documents(docs, val_fraction=0.0) == (docs, [])
+
+
+def test_keeping_the_tail_scores_every_token():
+    """drop_last=False: the last, shorter sample is kept (validation), and batches that hold it pack right."""
+    docs = make_docs(9, 12)
+    ds = PackedDataset(docs, seq_len=16, eos_id=EOS, shuffle_seed=None, drop_last=False)
+    n = len(ds.tokens)
+    assert n % 16 and len(ds) == n // 16 + 1 and ds.dropped_tokens == 0
+    ids, cu = ds.sample(len(ds) - 1)
+    assert len(ids) == n % 16 and cu[-1] == n % 16
+    batches = list(ds.eval_batches(3))
+    assert torch.equal(torch.cat([b["input_ids"][0] for b in batches]), ds.tokens.long())
+    offset = 0
+    for b in batches:  # boundaries: every sample start and every document start inside the batch
+        width = b["input_ids"].shape[1]
+        starts = {s - offset for s in ds.doc_starts.tolist() if offset < s < offset + width}
+        assert b["cu_seqlens"].tolist() == sorted(starts | set(range(0, width, 16)) | {width})
+        offset += width
+    assert len(PackedDataset([[1, 2]], seq_len=16, eos_id=EOS, drop_last=False)) == 1  # 3 tokens: one short sample

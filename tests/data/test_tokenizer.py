@@ -1,5 +1,7 @@
 import math
+import os
 import random
+import stat
 
 import pytest
 import torch
@@ -91,3 +93,20 @@ def test_unigram_entropy():
     assert unigram_entropy([0, 0, 0, 1]) == pytest.approx(-(0.75 * math.log(0.75) + 0.25 * math.log(0.25)))
     with pytest.raises(ValueError, match="empty"):
         unigram_entropy([])
+
+
+def test_unreadable_tokenizer_file_is_named(tmp_path):
+    for content in ("", "{not json", '{"version": "1.0"}'):
+        f = tmp_path / "tokenizer.json"
+        f.write_text(content)
+        with pytest.raises(ValueError, match="tokenizer.json is not a valid tokenizer.json"):
+            load_tokenizer(f)
+
+
+def test_saved_with_the_ordinary_file_mode(tok, tmp_path):
+    old = os.umask(0o022)
+    try:
+        path = save_tokenizer(tok, tmp_path)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644  # not mkstemp's 0600

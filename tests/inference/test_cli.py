@@ -1,5 +1,11 @@
 import argparse
 import io
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 import torch
 
@@ -29,7 +35,123 @@ def test_generate_streams_the_greedy_continuation(tmp_path, capsys):
 def test_chat_two_turns(tmp_path):
     ck = make_checkpoint(tmp_path)
     args = argparse.Namespace(checkpoint=str(ck), system="be brief", max_tokens=4, temperature=0.0, top_k=0,
-                              top_p=1.0, seed=0, device="cpu")
+                              top_p=1.0, seed=0, device="cpu", verify=True)
     out = io.StringIO()
     assert chat.run(args, stdin=io.StringIO("hi\nhow are you\n\n"), stdout=out) == 0
     assert out.getvalue().count("> ") == 3  # two turns answered, then the empty line quits
+
+
+class CtrlCAt(io.StringIO):
+    """A terminal where Ctrl-C is pressed just before the ``n``-th write (once)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.writes, self.n = 0, n
+
+    def write(self, s):
+        self.writes += 1
+        if self.writes == self.n:
+            raise KeyboardInterrupt
+        return super().write(s)
+
+
+def test_ctrl_c_during_a_reply_stops_that_reply_only(monkeypatch):
+    """The request is cancelled through its handle, what was printed stays in the conversation, the chat goes on."""
+    from tests.serve.fake_engine import FakeEngine
+
+    engine = FakeEngine(step_delay=0.01)
+    monkeypatch.setattr(chat, "load_for_inference", lambda *a: (None, engine.tokenizer))
+    monkeypatch.setattr(chat, "make_engine", lambda *a, **k: engine)
+    args = argparse.Namespace(checkpoint="x", system=None, max_tokens=50, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+                              device="cpu", verify=True)
+    out = CtrlCAt(6)  # banner, "> ", then tokens: Ctrl-C after the first three tokens of the reply
+    assert chat.run(args, stdin=io.StringIO("hi\nmore\n\n"), stdout=out) == 0
+    first, second = engine.submitted
+    assert engine.cancelled == [first.request_id] and len(engine.cancelled) == 1
+    shown = out.getvalue().split("> ")[1]
+    partial = shown[: shown.index(" [stopped]")]
+    assert partial and engine.expected_text().startswith(partial) and partial != engine.expected_text()
+    context = engine.tokenizer.decode(list(second.prompt_ids))
+    assert f"hi<|im_end|>\n<|im_start|>assistant\n{partial}<|im_end|>" in context and "more" in context
+    assert out.getvalue().count("> ") == 3  # the second reply was answered, then the empty line quit
+
+
+def test_ctrl_c_at_the_prompt_quits():
+    class CtrlCStdin(io.StringIO):
+        def readline(self, *a):
+            raise KeyboardInterrupt
+
+    out = io.StringIO()
+    from k3.cli.chat import _read_line
+
+    assert _read_line(CtrlCStdin(), out) is None and out.getvalue() == "> \n"
+    assert _read_line(io.StringIO(""), out) is None  # Ctrl-D
+
+
+class Terminal:
+    """A `python -m k3 ...` process driven like a terminal: type lines, press Ctrl-C, watch what it prints."""
+
+    def __init__(self, argv):
+        self.p = subprocess.Popen([sys.executable, "-m", "k3", *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, bufsize=0)
+        self.out = b""
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        while chunk := os.read(self.p.stdout.fileno(), 4096):
+            self.out += chunk
+
+    def wait_for(self, test, timeout=240):
+        deadline = time.time() + timeout
+        while not test(self.out.decode(errors="replace")):
+            assert self.p.poll() is None and time.time() < deadline, (self.out, self.p.stderr.read())
+            time.sleep(0.05)
+
+    def type(self, line):
+        self.p.stdin.write(line.encode())
+        self.p.stdin.flush()
+
+    def ctrl_c(self):
+        self.p.send_signal(signal.SIGINT)
+
+    def finish(self):
+        code = self.p.wait(timeout=120)
+        self._reader.join(timeout=10)
+        return code, self.out.decode(errors="replace"), self.p.stderr.read().decode()
+
+
+def test_k3_generate_ctrl_c_ends_cleanly(tmp_path):
+    ck = make_checkpoint(tmp_path)
+    t = Terminal(["generate", "--checkpoint", str(ck), "--prompt", "hello", "--max-tokens", "100000",
+                  "--temperature", "0"])
+    t.wait_for(lambda out: len(out) > len("hello") + 1)  # a few tokens in
+    t.ctrl_c()
+    code, out, err = t.finish()
+    assert code == 130 and err == "k3 generate: interrupted\n" and out.startswith("hello") and out.endswith("\n")
+
+
+def test_k3_chat_ctrl_c_stops_the_reply_and_the_next_prompt_works(tmp_path):
+    ck = make_checkpoint(tmp_path)
+    t = Terminal(["chat", "--checkpoint", str(ck), "--max-tokens", "100000", "--temperature", "0"])
+    t.wait_for(lambda out: out.endswith("> "))
+    for turn in (1, 2):
+        t.type("hi\n")
+        t.wait_for(lambda out: not out.endswith("> "))  # the reply is streaming
+        t.ctrl_c()
+        t.wait_for(lambda out: out.count(" [stopped]\n> ") == turn)
+    t.ctrl_c()  # at the prompt: quit
+    code, out, err = t.finish()
+    assert code == 0 and "Traceback" not in err and out.endswith("> \n"), (out, err)
+
+
+def test_a_changed_byte_is_named_and_no_verify_loads_anyway(tmp_path, capsys):
+    from tests.checkpoint.test_manifest import flip_tensor_byte
+
+    ck = make_checkpoint(tmp_path)
+    flip_tensor_byte(ck / "model.safetensors")
+    argv = ["generate", "--checkpoint", str(ck), "--prompt", "hello", "--max-tokens", "2", "--temperature", "0"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "model.safetensors does not match its sha256" in err and "--no-verify" in err
+    assert main(argv + ["--no-verify"]) == 0

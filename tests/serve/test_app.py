@@ -221,6 +221,16 @@ ERRORS = {
     "chat-too-long": ("chat", {"messages": [{"role": "user", "content": TOO_LONG}]}, "max_tokens"),
     "chat-max-completion-tokens-0": ("chat", {"max_completion_tokens": 0}, "max_completion_tokens"),
     "chat-tools": ("chat", {"tools": [{"type": "function"}]}, "tools"),
+    "temperature-nan": ("c", {"temperature": float("nan")}, "temperature"),
+    "seed-2^64": ("c", {"seed": 2**64}, "seed"),
+    "seed-below-int64": ("c", {"seed": -2**63 - 1}, "seed"),
+    "prompt-lone-surrogate": ("c", {"prompt": "a\ud800b"}, "prompt"),
+    "prompt-list-lone-surrogate": ("c", {"prompt": ["a\udfff"]}, "prompt.0"),
+    "stop-lone-surrogate": ("c", {"stop": ["\ud800"]}, "stop.0"),
+    "chat-lone-surrogate": ("chat", {"messages": [{"role": "user", "content": "x\ud800"}]}, "messages.0.content"),
+    "chat-part-lone-surrogate": ("chat", {"messages": [{"role": "user",
+                                                        "content": [{"type": "text", "text": "\udc00"}]}]},
+                                 "messages.0.content.0.text"),
 }
 
 
@@ -230,13 +240,20 @@ def test_errors_are_openai_400s_and_server_keeps_serving(client, name):
     body = {"model": MODEL, **({"prompt": "Hello"} if route == "c" else {"messages": CHAT}), **patch}
     body = {k: v for k, v in body.items() if v is not None}
     url = "/v1/completions" if route == "c" else "/v1/chat/completions"
-    r = client.post(url, json=body)
+    # json.dumps as a client would send it: lone surrogates escaped ("\\ud800"), nan as NaN
+    r = client.post(url, content=json.dumps(body), headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
     assert err["param"] == param, err
     assert isinstance(err["message"], str) and len(err["message"]) > 10
+    assert "surrogate" in err["message"] or "surrogate" not in name
     assert complete(client, max_tokens=2).status_code == 200
+
+
+@pytest.mark.parametrize("seed", [0, -1, -2**63, 2**64 - 1])
+def test_any_seed_the_sampler_takes_is_accepted(client, seed):
+    assert complete(client, max_tokens=2, seed=seed).status_code == 200
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"", b'"a string"'], ids=["malformed", "list", "empty",

@@ -2,6 +2,8 @@
 
 import dataclasses
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -35,15 +37,21 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(tmp_path):
 
 
 def test_metrics_checkpoint_and_entropy(tmp_path):
-    cfg, result = run(tmp_path, "m", steps=4, eval_every=2)
+    umask = os.umask(0o022)
+    try:
+        cfg, result = run(tmp_path, "m", steps=4, eval_every=2)
+    finally:
+        os.umask(umask)
     recs = read_metrics(cfg.out)
     assert {"step", "loss", "lr", "tokens", "tokens_per_s", "grad_norm", "load_max_over_mean", "mtp_loss"} <= recs[0].keys()
     assert [r["step"] for r in recs if "val_loss" in r] == [2, 4]
     assert recs[-1]["tokens"] == 4 * 2 * 64
     assert recs[0]["lr"] < recs[1]["lr"] or recs[0]["lr"] == max(r["lr"] for r in recs)  # warm-up then decay
     ck = tmp_path / "m" / "checkpoint"
-    assert {"config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt", "train_config.json"} <= \
-        {p.name for p in ck.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt", "train_config.json",
+            "SHA256SUMS"} == {p.name for p in ck.iterdir()}
+    assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in [*ck.iterdir(), *(tmp_path / "m").iterdir()]
+            if p.is_file()} == {"0o644"}  # every output readable as usual, none 0600
     assert not [p for p in (tmp_path / "m").iterdir() if p.name.startswith(".checkpoint")]
     assert 3.0 < result["unigram_entropy"] < 7.0
 
@@ -83,6 +91,7 @@ def test_train_plot_generate_cli(tmp_path, capsys):
     assert "val_loss" in capsys.readouterr().out
     assert main(["plot", str(out)]) == 0
     assert (out / "loss.png").stat().st_size > 1000 and (out / "load.png").exists()
+    assert json.loads((out / "run_info.json").read_text())["load_layers"][0] == "layer 2"  # 1-based
     assert capsys.readouterr().out.splitlines() == [str(out / "loss.png"), str(out / "load.png")]
     assert main(["generate", "--checkpoint", str(out), "--prompt", "import os", "--max-tokens", "8",
                  "--temperature", "0"]) == 0
@@ -99,3 +108,35 @@ def test_training_on_user_jsonl_learns(tmp_path):
     recs = read_metrics(cfg.out)
     assert recs[-1]["loss"] < recs[0]["loss"] - 1.0
     assert torch.isfinite(torch.tensor(recs[-1]["val_loss"]))
+
+
+def test_rerunning_a_finished_run_says_so_and_a_larger_steps_extends_it(tmp_path, capsys):
+    out = tmp_path / "x"
+    args = ["train", "--preset", "tiny", "--out", str(out), "--steps", "3", "--batch-size", "2", "--seq-len", "32",
+            "--vocab-size", "300", "--data-max-bytes", "200000", "--eval-every", "3", "--log-every", "1"]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(args) == 0  # the same command again: nothing to do, and no "loss nan"
+    printed = capsys.readouterr().out
+    assert "already complete" in printed and "step 3" in printed and "larger --steps" in printed
+    assert "nan" not in printed
+    assert main(args[:5] + ["--steps", "5"] + args[7:]) == 0  # extended: resumes at 3, ends at 5
+    recs = read_metrics(out)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5] and "val_loss" in recs[-1]
+    floor = BASE.lr * BASE.min_lr_ratio  # the finished schedule had reached its minimum: it goes on there
+    assert recs[3]["lr"] == pytest.approx(floor) and recs[4]["lr"] == pytest.approx(floor)
+    assert main(args[:5] + ["--steps", "6", "--lr", "1e-3"] + args[7:]) == 1
+    err = capsys.readouterr().err
+    assert "--lr 0.003 (now 0.001)" in err and "new --out" in err
+
+
+def test_extending_a_run_half_way_keeps_the_lr_continuous(tmp_path):
+    from k3.train.schedule import lr_lambda
+
+    cfg, _ = run(tmp_path, "h", steps=8, stop_after=3, eval_every=100)
+    run(tmp_path, "h", steps=12, eval_every=100)
+    lrs = [r["lr"] for r in read_metrics(cfg.out)]
+    assert len(lrs) == 12
+    assert lrs[3] == pytest.approx(BASE.lr * lr_lambda(3, 8))  # step 4 keeps the lr it would have had
+    assert all(a > b for a, b in zip(lrs[3:], lrs[4:]))  # then decays, more slowly, over the 9 steps left
+    assert lrs[-1] > BASE.lr * BASE.min_lr_ratio and lrs[7] > BASE.lr * lr_lambda(7, 8)

@@ -380,3 +380,20 @@ def test_bucketed_newton_schulz_equals_one_call_per_parameter():
         runs.append(m.state_dict())
     for n in runs[0]:
         torch.testing.assert_close(runs[0][n], runs[1][n], atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_schedule_resumed_with_another_total_is_continuous():
+    """A run resumed at step r with a new total follows a half cosine from its lr at r down to the minimum."""
+    from k3.train.schedule import resume_point
+
+    old, new, r = 100, 300, 60
+    point = resume_point({"step": r}, old, new)
+    assert point == (r, pytest.approx(lr_lambda(r, old)))
+    vals = [lr_lambda(s, new, resumed_at=point) for s in range(r, new + 1)]
+    assert vals[0] == pytest.approx(lr_lambda(r, old)) and vals[-1] == pytest.approx(0.1)
+    assert all(a > b for a, b in zip(vals, vals[1:]))
+    finished = resume_point({"step": old}, old, new)  # a finished run goes on at the minimum
+    assert [lr_lambda(s, new, resumed_at=finished) for s in range(old, new)] == pytest.approx([0.1] * (new - old))
+    same = {"step": r, "schedule": {"total_steps": new, "resumed_at": point}}
+    assert resume_point(same, old, new) == point  # unchanged total: the checkpoint's own schedule
+    assert resume_point({"step": r}, old, old) is None

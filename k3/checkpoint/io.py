@@ -6,6 +6,7 @@ import json
 import os
 import re
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -17,9 +18,11 @@ from .mxfp4 import dequantize_mxfp4
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-_SKIP_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+_SKIP_PREFIXES = ("vision_tower.", "vision_model.", "mm_projector.", "multi_modal_projector.")
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
 _MTP_OUT = re.compile(r"^mtp\.(\d+)\.(block\.)?(.*)$")
+_MTP_IN = re.compile(r"^model\.mtp\.(?:layers\.)?(\d+)\.(.*)$")  # model.mtp.layers.{i}.* / model.mtp.{i}.*
+_MTP_STEMS = {"enorm", "hnorm", "eh_proj", "shared_head"}
 
 
 class CheckpointError(RuntimeError):
@@ -27,8 +30,11 @@ class CheckpointError(RuntimeError):
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], config: K3Config) -> dict[str, torch.Tensor]:
+    """Our state dict -> the checkpoint's names and shapes for ``config.hf_layout`` (Kimi Linear keeps ``A_log``
+    as [1, 1, H, 1], the shape transformers' and mlx-lm's Kimi Linear modules hold; K3's is [H])."""
     out = {}
     L = config.num_hidden_layers
+    a_log_shape = (1, 1, -1, 1) if config.hf_layout == "kimi_linear" else (-1,)
     for name, t in state.items():
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue
@@ -40,35 +46,69 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], config: K3Config) -> dict[s
             for e in range(t.shape[0]):
                 out[f"{base}.{e}.{w}.weight"] = t[e]
             continue
+        if name.endswith(".A_log"):
+            t = t.reshape(a_log_shape)
         out[name] = t
     return out
 
 
+def _our_name(name: str, config: K3Config) -> str | None:
+    """A checkpoint tensor's name in our module tree, or None for a tensor the text model does not use."""
+    if name.startswith("language_model."):
+        name = name[len("language_model."):]
+    if name.startswith(_SKIP_PREFIXES):
+        return None
+    name = re.sub(r"_res\.(proj|norm)_weight$", r"_res_\1.weight", name)  # the dotted AttnRes form
+    # the router bias beside the router instead of in it
+    name = re.sub(r"\.block_sparse_moe\.e_score_correction_bias$", ".block_sparse_moe.gate.e_score_correction_bias", name)
+    L = config.num_hidden_layers
+    m = _MTP_IN.match(name)
+    if m:  # MTP stored apart from the trunk's layers
+        name = f"model.layers.{L + int(m.group(1))}.{m.group(2)}"
+    m = re.match(r"^model\.layers\.(\d+)\.(.*)$", name)
+    if not m:
+        return name
+    i, rest = int(m.group(1)), m.group(2)
+    if i >= L:
+        if rest.startswith("shared_head.head"):
+            return None  # the MTP head is the shared lm_head
+        return f"mtp.{i - L}.{rest}" if rest.split(".")[0] in _MTP_STEMS else f"mtp.{i - L}.block.{rest}"
+    if not config.is_moe_layer(i) and re.match(r"^block_sparse_moe\.(gate|up|down)_proj\.weight$", rest):
+        rest = "mlp." + rest[len("block_sparse_moe."):]  # transformers re-saves a dense layer's MLP under the MoE name
+    return f"model.layers.{i}.{rest}"
+
+
+def _gate_param(name: str, t: torch.Tensor, config: K3Config) -> torch.Tensor:
+    """``A_log`` as [H] and ``dt_bias`` as [H*K], whatever shape the checkpoint stores them in: [1, 1, H, 1]
+    (Kimi Linear), [H, K], or ``A_log`` padded beyond the head count (the K3 release ships 128 entries for 96
+    heads; the entries past the heads belong to no head, and every reader takes the first H)."""
+    H, K = config.kda_num_heads, config.kda_head_dim
+    flat = t.reshape(-1)
+    if name.endswith(".A_log"):
+        if flat.numel() < H:
+            raise CheckpointError(f"{name} has {flat.numel()} entries of shape {tuple(t.shape)}; expected one per KDA "
+                                  f"head (linear_attn_config.num_heads = {H})")
+        return flat[:H]
+    if flat.numel() != H * K:
+        raise CheckpointError(f"{name} has shape {tuple(t.shape)}; expected {H * K} values (num_heads {H} x head_dim "
+                              f"{K}), as [{H * K}] or [{H}, {K}]")
+    return flat
+
+
 def from_hf_state_dict(hf: dict[str, torch.Tensor], config: K3Config, dtype=None) -> tuple[dict, list[str]]:
-    """HF tensors -> our state dict. Returns (state, skipped names)."""
-    L, skipped = config.num_hidden_layers, []
+    """HF tensors -> our state dict. Returns (state, names of the tensors the text model does not use)."""
+    skipped = []
     if dtype is None:  # one dtype for the model: the embedding's (MXFP4 experts are dequantised to it)
         emb = hf.get("model.embed_tokens.weight", hf.get("language_model.model.embed_tokens.weight"))
         dtype = emb.dtype if emb is not None else torch.bfloat16
-    mtp_stems = {"enorm", "hnorm", "eh_proj", "shared_head"}
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     packed: dict[str, dict[str, torch.Tensor]] = {}
     state = {}
-    for name, t in hf.items():
-        if name.startswith("language_model."):
-            name = name[len("language_model."):]
-        if name.startswith(_SKIP_PREFIXES):
-            skipped.append(name)
+    for original, t in hf.items():
+        name = _our_name(original, config)
+        if name is None:
+            skipped.append(original)
             continue
-        name = re.sub(r"_res\.proj_weight$", "_res_proj.weight", name)
-        name = re.sub(r"_res\.norm_weight$", "_res_norm.weight", name)
-        m = re.match(r"^model\.layers\.(\d+)\.(.*)$", name)
-        if m and int(m.group(1)) >= L:
-            i, rest = int(m.group(1)) - L, m.group(2)
-            if rest.startswith("shared_head.head"):
-                skipped.append(name)  # the MTP head is the shared lm_head
-                continue
-            name = f"mtp.{i}.{rest}" if rest.split(".")[0] in mtp_stems else f"mtp.{i}.block.{rest}"
         m = _EXPERT.match(name)
         if m:
             base, e, w, kind = m.group(1), int(m.group(2)), m.group(3), m.group(4)
@@ -79,6 +119,11 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], config: K3Config, dtype=None
             continue
         if name.endswith("_res_proj.weight") and t.dim() == 1:
             t = t.view(1, -1)
+        if name.endswith((".A_log", ".dt_bias")):
+            t = _gate_param(name, t, config)
+        if name in state:
+            raise CheckpointError(f"{original} and another tensor both map to {name}: the checkpoint holds the same "
+                                  "weight under two names (e.g. its MTP layer as model.layers.N and model.mtp)")
         state[name] = t
     for key, parts in packed.items():
         base, w, e = key.split("|")
@@ -89,15 +134,9 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], config: K3Config, dtype=None
         E = config.num_experts
         if sorted(per) != list(range(E)):
             missing = sorted(set(range(E)) - set(per))
-            raise CheckpointError(f"{base}.{w}: expected experts 0..{E - 1}, missing {missing[:8]}")
+            raise CheckpointError(f"{base}.{w}: expected experts 0..{E - 1} (num_experts = {E}), missing "
+                                  f"{missing[:8]}, unexpected {sorted(set(per) - set(range(E)))[:8]}")
         state[f"{base}.{w}"] = torch.stack([per[e] for e in range(E)])
-    for name in [n for n in state if n.endswith(".A_log")]:
-        a, H = state[name].reshape(-1), config.kda_num_heads
-        if a.numel() > H:
-            if bool((a[H:] != 0).any()):
-                raise CheckpointError(f"{name}: {a.numel()} entries for {H} heads and the padding is not zero")
-            a = a[:H]
-        state[name] = a
     state = {k: (v.to(dtype) if v.is_floating_point() and not _keep_fp32(k) else v) for k, v in state.items()}
     return state, skipped
 
@@ -157,7 +196,13 @@ def save_pretrained(model, directory: str | Path, max_shard_bytes: int = 5 * 2**
                 total += v.numel() * v.element_size()
         _atomic_write_text(d / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         (d / SINGLE).unlink(missing_ok=True)
-    _atomic_write_text(d / "config.json", json.dumps(model.config.to_hf(), indent=2) + "\n")
+    c = model.config
+    _atomic_write_text(d / "config.json", json.dumps(c.to_hf(), indent=2) + "\n")
+    if c.eos_token_id is not None:  # where transformers' generate and mlx-lm read the ids that end generation
+        gen = {"bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id, "pad_token_id": c.pad_token_id}
+        _atomic_write_text(d / "generation_config.json", json.dumps(gen, indent=2) + "\n")
+    else:
+        (d / "generation_config.json").unlink(missing_ok=True)
 
 
 def read_hf_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
@@ -185,13 +230,34 @@ def read_hf_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _mismatch(config: K3Config, missing: list[str], unexpected: list[str]) -> str:
+    def few(names):
+        return f"{names[:8]}{' ...' if len(names) > 8 else ''}"
+
+    hint = ""
+    layers = {int(m.group(1)) for n in missing + unexpected if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    if layers:
+        i = min(layers)
+        kind = "MoE" if config.is_moe_layer(i) else "dense"
+        hint = (f"; the config builds layer {i} as {config.layer_kind(i).upper()} attention + {kind} FFN "
+                f"(full_attn_layers, first_k_dense_replace = {config.first_k_dense_replace}, "
+                f"latent MoE {'on' if config.latent_moe else 'off'}, MLA output gate "
+                f"{'on' if config.mla_use_output_gate else 'off'}, AttnRes {config.attn_res})")
+    return (f"checkpoint does not match its config.json: missing {few(missing)}; unexpected {few(unexpected)}{hint}. "
+            "A checkpoint of another model, or a config.json that does not describe these weights?")
+
+
 def load_pretrained(directory: str | Path, config: K3Config | None = None, dtype=None, device="cpu",
                     strict: bool = True):
-    """Build a K3ForCausalLM from a checkpoint directory (ours or the official layout)."""
+    """Build a K3ForCausalLM from a checkpoint directory: k3's, the K3 release, or a Kimi Linear checkpoint
+    written by transformers. Tensors the text model does not use (vision tower, projector) are skipped with a
+    warning and listed in ``model.skipped_weights``."""
     from ..model.transformer import K3ForCausalLM
 
     config = config or K3Config.from_hf(directory)
     state, skipped = from_hf_state_dict(read_hf_tensors(directory), config, dtype)
+    if "quantization_config" in config.extra:  # the experts were dequantised: the model in memory is not quantised
+        config = config.replace(extra={k: v for k, v in config.extra.items() if k != "quantization_config"})
     with torch.device("meta"):
         model = K3ForCausalLM(config)
     expected = model.state_dict()
@@ -200,9 +266,7 @@ def load_pretrained(directory: str | Path, config: K3Config | None = None, dtype
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if strict and (missing or unexpected):
-        raise CheckpointError(f"checkpoint does not match the config: missing {missing[:10]}"
-                              f"{' ...' if len(missing) > 10 else ''}; unexpected {unexpected[:10]}"
-                              f"{' ...' if len(unexpected) > 10 else ''}")
+        raise CheckpointError(_mismatch(config, missing, unexpected))
     bad = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
            for k in expected if k in state and state[k].shape != expected[k].shape]
     if bad:
@@ -213,5 +277,10 @@ def load_pretrained(directory: str | Path, config: K3Config | None = None, dtype
     leftover = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if leftover:
         raise CheckpointError(f"parameters not in the checkpoint: {leftover[:10]}")
+    unused = [n for n in skipped if ".shared_head.head." not in n]  # MTP heads repeat lm_head: nothing to say
+    if unused:
+        prefixes = sorted({n.removeprefix("language_model.").split(".")[0] for n in unused})
+        warnings.warn(f"{directory}: loaded the text model; skipped {len(unused)} tensor(s) it does not use "
+                      f"(under {', '.join(prefixes)}); see model.skipped_weights", stacklevel=2)
     model.skipped_weights = skipped
     return model

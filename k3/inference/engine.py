@@ -87,7 +87,7 @@ class Engine:
         self.prefix = PrefixCache(self.pool, config.hash_block, config.checkpoint_every) if config.prefix_cache else None
         self.kda_slot = {i: s for s, i in enumerate(i for i in range(mc.num_hidden_layers) if mc.layer_kind(i) == "kda")}
         self.mla_slot = {i: s for s, i in enumerate(i for i in range(mc.num_hidden_layers) if mc.layer_kind(i) == "mla")}
-        self.max_context = config.max_context or mc.extra.get("max_position_embeddings", 1 << 20)
+        self.max_context = config.max_context or mc.max_position_embeddings
         self.eos = eos_id(tokenizer)
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []

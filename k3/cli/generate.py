@@ -33,17 +33,21 @@ def sampling_from_args(args, stop=()):
 
 
 def load_for_inference(path: str | Path, device):
-    """(model, tokenizer) from a checkpoint directory or a run directory holding ``checkpoint/``."""
+    """(model, tokenizer) from a checkpoint directory or a run directory holding ``checkpoint/``. The tokenizer is
+    the Kimi release's (``tiktoken.model`` + ``tokenizer_config.json``) when the directory has one, else k3's
+    ``tokenizer.json``."""
     from ..checkpoint import load_pretrained
     from ..data import load_tokenizer
+    from ..data.kimi_tokenizer import is_kimi_tokenizer_dir
 
     p = Path(path)
     if (p / "checkpoint").is_dir():
         p = p / "checkpoint"
-    if not (p / "tokenizer.json").exists():
-        raise FileNotFoundError(f"no tokenizer.json in {p}: point --checkpoint at a k3 checkpoint directory")
+    if not (p / "tokenizer.json").exists() and not is_kimi_tokenizer_dir(p):
+        raise FileNotFoundError(f"no tokenizer.json or tiktoken.model in {p}: point --checkpoint at a k3 checkpoint "
+                                "directory or a Kimi release directory")
     model = load_pretrained(p, dtype=torch.float32).to(device).eval()
-    return model, load_tokenizer(p / "tokenizer.json")
+    return model, load_tokenizer(p)
 
 
 def make_engine(model, tok, name: str = "k3", **overrides):
@@ -52,8 +56,8 @@ def make_engine(model, tok, name: str = "k3", **overrides):
     return Engine(model, tok, EngineConfig(**overrides), model_name=name)
 
 
-def stream_completion(engine, prompt: str, params, out=sys.stdout) -> str:
-    """Submit, print the text as it is generated, return it."""
+def stream_completion(engine, prompt: str, params, out=None) -> str:
+    """Submit, print the text as it is generated (to ``out``, default: the current sys.stdout), return it."""
     from ..data import encode
     from ..inference.api import GenerationRequest, TokenEvent
 
@@ -61,6 +65,7 @@ def stream_completion(engine, prompt: str, params, out=sys.stdout) -> str:
     if not ids:
         raise ValueError("the prompt encodes to no tokens; give some text")
     handle = engine.submit(GenerationRequest(tuple(ids), params))
+    out = out or sys.stdout
     text = ""
     for ev in handle:
         if isinstance(ev, TokenEvent):

@@ -220,7 +220,8 @@ ERRORS = {
     "chat-n-3": ("chat", {"n": 3}, "n"),
     "chat-too-long": ("chat", {"messages": [{"role": "user", "content": TOO_LONG}]}, "max_tokens"),
     "chat-max-completion-tokens-0": ("chat", {"max_completion_tokens": 0}, "max_completion_tokens"),
-    "chat-tools": ("chat", {"tools": [{"type": "function"}]}, "tools"),
+    "chat-tool-without-function": ("chat", {"tools": [{"type": "function"}]}, "tools.0.function"),
+    "chat-tools-in-chatml": ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
 }
 
 

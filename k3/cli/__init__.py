@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import chat, demo, generate, params, plot, serve, train
+from . import chat, demo, evaluate, generate, params, plot, serve, train
 
-COMMANDS = {"demo": demo, "train": train, "generate": generate, "chat": chat, "serve": serve, "plot": plot, "params": params}
+COMMANDS = {"demo": demo, "train": train, "generate": generate, "chat": chat, "serve": serve, "eval": evaluate,
+            "plot": plot, "params": params}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,10 +28,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .config import K3Config
 
-__all__ = ["read_hf", "write_hf", "hf_layout", "KIMI_LINEAR", "KIMI_K3"]
+__all__ = ["read_hf", "write_hf", "hf_layout", "drop_generated", "KIMI_LINEAR", "KIMI_K3", "DEEPSEEK_V3"]
 
-KIMI_LINEAR, KIMI_K3 = "kimi_linear", "kimi_k3"
-ARCHITECTURES = {KIMI_LINEAR: ["KimiLinearForCausalLM"], KIMI_K3: ["KimiK3ForConditionalGeneration"]}
+KIMI_LINEAR, KIMI_K3, DEEPSEEK_V3 = "kimi_linear", "kimi_k3", "deepseek_v3"
+ARCHITECTURES = {KIMI_LINEAR: ["KimiLinearForCausalLM"], KIMI_K3: ["KimiK3ForConditionalGeneration"],
+                 DEEPSEEK_V3: ["DeepseekV3ForCausalLM"]}
+# Kimi K2 / K2.5: the DeepSeek-V3 architecture (K2.5 wraps it with a vision tower as "kimi_k25")
+_K2_FAMILY = {DEEPSEEK_V3, "kimi_k2", "kimi_k25"}
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _LINEAR_KEYS = {"num_heads", "head_dim", "short_conv_kernel_size", "gate_lower_bound", "use_full_rank_gate",
                 "full_attn_layers", "kda_layers"}
@@ -40,34 +43,44 @@ _PASSTHROUGH = {"auto_map", "torch_dtype", "dtype", "transformers_version", "use
                 "rope_scaling", "attention_dropout", "hidden_dropout", "_name_or_path", "topk_method",
                 "use_grouped_topk", "head_dim", "initializer_range", "moe_layer_freq", "attention_bias", "mlp_bias",
                 "output_attentions", "output_hidden_states", "output_router_logits", "pretraining_tp",
-                "n_routed_experts", "model_type", "architectures"}
+                "model_type", "architectures", "ep_size", "aux_loss_alpha", "seq_aux", "moe_router_dtype"}
 # transformers' KimiLinearConfig.attribute_map: the name it accepts -> ours
-_ALIASES = {"num_local_experts": "num_experts", "num_experts_per_tok": "num_experts_per_token",
-            "n_shared_experts": "num_shared_experts", "norm_topk_prob": "moe_renormalize",
-            "n_group": "num_expert_group", "model_max_length": "max_position_embeddings"}
+# and DeepSeek-V3's names (Kimi K2, K2.5)
+_ALIASES = {"num_local_experts": "num_experts", "n_routed_experts": "num_experts",
+            "num_experts_per_tok": "num_experts_per_token", "n_shared_experts": "num_shared_experts",
+            "norm_topk_prob": "moe_renormalize", "n_group": "num_expert_group", "scoring_func": "moe_router_activation_func",
+            "model_max_length": "max_position_embeddings"}
 _GENERATED = {"model_type", "architectures", "head_dim"}  # written from the fields; carried only if they differ
 _K3_MECHANISMS_OFF = {"mla_use_output_gate": False, "routed_expert_hidden_size": None, "latent_moe_use_norm": False}
 
 
 def hf_layout(c: "K3Config") -> str:
-    """``kimi_linear`` when the model uses no K3-only mechanism (transformers and mlx-lm read it as Kimi Linear),
-    else ``kimi_k3`` (the K3 release layout)."""
-    kimi_linear = (c.attn_res == "none" and not c.latent_moe and not c.mla_use_output_gate and c.gate == "softplus"
-                   and not c.use_full_rank_gate and c.hidden_act == "silu" and c.mla_use_nope)
-    return KIMI_LINEAR if kimi_linear else KIMI_K3
+    """``deepseek_v3`` for Kimi K2's architecture (every layer MLA with RoPE, plain MoE: transformers'
+    DeepseekV3ForCausalLM), ``kimi_linear`` when the model uses no K3-only mechanism (transformers and mlx-lm read
+    it as Kimi Linear), else ``kimi_k3`` (the K3 release layout)."""
+    plain = (c.attn_res == "none" and not c.latent_moe and not c.mla_use_output_gate and c.hidden_act == "silu"
+             and c.moe_router_activation_func == "sigmoid")
+    if plain and not c.kda_layers and not c.mla_use_nope:
+        return DEEPSEEK_V3
+    if plain and c.gate == "softplus" and not c.use_full_rank_gate and c.mla_use_nope:
+        return KIMI_LINEAR
+    return KIMI_K3
 
 
 def _defaults(model_type: str | None, cls) -> dict:
     """Field values for the keys a file of this model_type does not have."""
-    from .config import kimi_linear_48b
+    from .config import kimi_k2, kimi_linear_48b
 
     if model_type == KIMI_LINEAR:
         base = kimi_linear_48b()
+    elif model_type in _K2_FAMILY:
+        base = kimi_k2().replace(num_nextn_predict_layers=0)
     elif model_type in (KIMI_K3, None):
         base = cls().replace(**_K3_MECHANISMS_OFF)
     else:
         raise ValueError(f"model_type {model_type!r} is not an architecture k3 builds; k3 reads 'kimi_k3' (the K3 "
-                         "release), 'kimi_linear' (Kimi Linear) and configs without model_type written by k3")
+                         "release), 'kimi_linear' (Kimi Linear), 'deepseek_v3' / 'kimi_k2' / 'kimi_k25' (Kimi K2, "
+                         "K2.5) and configs without model_type written by k3")
     return {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.name not in ("extra", "top_level")}
 
 
@@ -147,6 +160,25 @@ def _read_linear(d: dict, kw: dict, model_type: str | None, strict: bool) -> dic
     return extra_lin
 
 
+def _read_rope(d: dict) -> None:
+    """transformers 5 writes ``rope_parameters`` {rope_theta, rope_type}; k3's MLA rotates plainly (interleaved
+    pairs, as DeepSeek-V3 with ``rope_interleave``): a scaled RoPE (YaRN, ...) would attend differently, so it is
+    refused rather than ignored."""
+    params = d.pop("rope_parameters", None) or {}
+    scaling = d.get("rope_scaling") or {}
+    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    _need(kind == "default", f"rope type {kind!r} (rope_parameters / rope_scaling) is not implemented in k3's MLA, "
+                             "which rotates with plain RoPE; a checkpoint that needs it would compute other attention")
+    _need(d.pop("rope_interleave", True), "rope_interleave = false is not implemented: k3 rotates interleaved pairs, "
+                                          "as DeepSeek-V3 and Kimi K2 do")
+    _need(d.get("moe_layer_freq", 1) == 1, f"moe_layer_freq = {d.get('moe_layer_freq')}: k3 builds an MoE in every "
+                                           "layer after the first_k_dense_replace dense ones (moe_layer_freq 1)")
+    if "rope_theta" in params:
+        _need(d.get("rope_theta", params["rope_theta"]) == params["rope_theta"],
+              "rope_theta and rope_parameters.rope_theta disagree")
+        d["rope_theta"] = params["rope_theta"]
+
+
 def _check_derived(d: dict, kw: dict) -> None:
     """Keys transformers derives from others: they must agree, then they are dropped (written back on save)."""
     mlp_types = d.pop("mlp_layer_types", None)
@@ -184,6 +216,7 @@ def read_hf(src: dict, cls, strict: bool = True) -> dict:
         model_type = d.get("model_type")
     kw = _defaults(model_type, cls)
     d = _resolve_aliases(d)
+    _read_rope(d)
     for k in ("num_hidden_layers",):  # needed before the layer lists are read
         kw[k] = d.pop(k, kw[k])
     extra_lin = _read_linear(d, kw, model_type, strict)
@@ -228,9 +261,31 @@ def drop_generated(c: "K3Config") -> "K3Config":
     return c.replace(extra=extra, top_level=top)
 
 
+def _write_deepseek(c: "K3Config") -> dict:
+    """DeepSeek-V3's config.json (Kimi K2's architecture), as transformers' DeepseekV3Config writes it."""
+    d = {"model_type": DEEPSEEK_V3, "architectures": ARCHITECTURES[DEEPSEEK_V3], "vocab_size": c.vocab_size,
+         "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+         "moe_intermediate_size": c.moe_intermediate_size, "num_hidden_layers": c.num_hidden_layers,
+         "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_attention_heads,
+         "n_routed_experts": c.num_experts, "num_experts_per_tok": c.num_experts_per_token,
+         "n_shared_experts": c.num_shared_experts, "routed_scaling_factor": c.routed_scaling_factor,
+         "norm_topk_prob": c.moe_renormalize, "n_group": c.num_expert_group, "topk_group": c.topk_group,
+         "first_k_dense_replace": c.first_k_dense_replace, "kv_lora_rank": c.kv_lora_rank,
+         "q_lora_rank": c.q_lora_rank, "qk_rope_head_dim": c.qk_rope_head_dim, "qk_nope_head_dim": c.qk_nope_head_dim,
+         "v_head_dim": c.v_head_dim, "qk_head_dim": c.qk_head_dim, "head_dim": c.qk_rope_head_dim,
+         "hidden_act": c.hidden_act, "max_position_embeddings": c.max_position_embeddings,
+         "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "rope_interleave": True,
+         "tie_word_embeddings": c.tie_word_embeddings, "num_nextn_predict_layers": c.num_nextn_predict_layers,
+         **{t: getattr(c, t) for t in TOKEN_IDS}}
+    d.update({k: v for k, v in c.extra.items() if k != "__linear_extra__"})
+    return d if c.top_level is None else {**c.top_level, "text_config": d}
+
+
 def write_hf(c: "K3Config") -> dict:
     """The config.json of ``c`` in its layout (``hf_layout``)."""
     layout = hf_layout(c)
+    if layout == DEEPSEEK_V3:
+        return _write_deepseek(c)
     d: dict[str, Any] = {"model_type": KIMI_LINEAR, "architectures": ARCHITECTURES[KIMI_LINEAR]}
     skip = {"extra", "top_level", "full_attn_layers", "kda_layers", "kda_num_heads", "kda_head_dim",
             "short_conv_kernel_size", "gate", "gate_lower_bound", "use_full_rank_gate", "attn_res",

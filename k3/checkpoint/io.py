@@ -23,6 +23,7 @@ _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|we
 _MTP_OUT = re.compile(r"^mtp\.(\d+)\.(block\.)?(.*)$")
 _MTP_IN = re.compile(r"^model\.mtp\.(?:layers\.)?(\d+)\.(.*)$")  # model.mtp.layers.{i}.* / model.mtp.{i}.*
 _MTP_STEMS = {"enorm", "hnorm", "eh_proj", "shared_head"}
+_DEEPSEEK_EXPERT = {"gate": "w1", "down": "w2", "up": "w3"}  # DeepSeek-V3's expert projections -> Kimi's names
 
 
 class CheckpointError(RuntimeError):
@@ -31,20 +32,25 @@ class CheckpointError(RuntimeError):
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], config: K3Config) -> dict[str, torch.Tensor]:
     """Our state dict -> the checkpoint's names and shapes for ``config.hf_layout`` (Kimi Linear keeps ``A_log``
-    as [1, 1, H, 1], the shape transformers' and mlx-lm's Kimi Linear modules hold; K3's is [H])."""
+    as [1, 1, H, 1], the shape transformers' and mlx-lm's Kimi Linear modules hold; K3's is [H]; DeepSeek-V3's
+    layout names the MoE ``mlp`` and its experts ``gate_proj`` / ``up_proj`` / ``down_proj``)."""
     out = {}
     L = config.num_hidden_layers
-    a_log_shape = (1, 1, -1, 1) if config.hf_layout == "kimi_linear" else (-1,)
+    layout = config.hf_layout
+    a_log_shape = (1, 1, -1, 1) if layout == "kimi_linear" else (-1,)
+    deepseek = {v: k for k, v in _DEEPSEEK_EXPERT.items()} if layout == "deepseek_v3" else None
     for name, t in state.items():
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue
         m = _MTP_OUT.match(name)
         if m:
             name = f"model.layers.{L + int(m.group(1))}.{m.group(3)}"
+        if deepseek is not None:  # DeepseekV3ForCausalLM: the MoE under mlp., experts as gate/up/down_proj
+            name = name.replace(".block_sparse_moe.", ".mlp.")
         if re.search(r"\.experts\.w[123]$", name):
             base, w = name.rsplit(".", 1)
             for e in range(t.shape[0]):
-                out[f"{base}.{e}.{w}.weight"] = t[e]
+                out[f"{base}.{e}.{w}.weight" if deepseek is None else f"{base}.{e}.{deepseek[w]}_proj.weight"] = t[e]
             continue
         if name.endswith(".A_log"):
             t = t.reshape(a_log_shape)
@@ -75,6 +81,10 @@ def _our_name(name: str, config: K3Config) -> str | None:
         return f"mtp.{i - L}.{rest}" if rest.split(".")[0] in _MTP_STEMS else f"mtp.{i - L}.block.{rest}"
     if not config.is_moe_layer(i) and re.match(r"^block_sparse_moe\.(gate|up|down)_proj\.weight$", rest):
         rest = "mlp." + rest[len("block_sparse_moe."):]  # transformers re-saves a dense layer's MLP under the MoE name
+    if config.is_moe_layer(i) and rest.startswith("mlp."):  # DeepSeek-V3's names (Kimi K2, K2.5)
+        rest = "block_sparse_moe." + rest[len("mlp."):]
+        rest = re.sub(r"\.experts\.(\d+)\.(gate|up|down)_proj\.", lambda m: f".experts.{m.group(1)}."
+                      f"{_DEEPSEEK_EXPERT[m.group(2)]}.", rest)
     return f"model.layers.{i}.{rest}"
 
 
@@ -258,6 +268,11 @@ def load_pretrained(directory: str | Path, config: K3Config | None = None, dtype
     state, skipped = from_hf_state_dict(read_hf_tensors(directory), config, dtype)
     if "quantization_config" in config.extra:  # the experts were dequantised: the model in memory is not quantised
         config = config.replace(extra={k: v for k, v in config.extra.items() if k != "quantization_config"})
+    if config.num_nextn_predict_layers and not any(k.startswith("mtp.") for k in state):
+        # DeepSeek-V3's config declares an MTP layer that transformers neither builds nor saves
+        warnings.warn(f"{directory}: config.json declares {config.num_nextn_predict_layers} MTP layer(s) but the "
+                      "checkpoint has no MTP weights; loading the model without MTP", stacklevel=2)
+        config = config.replace(num_nextn_predict_layers=0)
     with torch.device("meta"):
         model = K3ForCausalLM(config)
     expected = model.state_dict()

@@ -223,3 +223,53 @@ def test_output_has_attribute_and_dict_access():
         out.logit
     leaves, spec = torch.utils._pytree.tree_flatten(out)  # FSDP2 finds the tensors inside
     assert len(leaves) == 4 and torch.utils._pytree.tree_unflatten(leaves, spec).lm_loss is out.lm_loss
+
+
+# ---- Kimi K2 / K2.5: the DeepSeek-V3 architecture ----------------------------------------------------------------
+DEEPSEEK = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                n_shared_experts=1, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                v_head_dim=16, first_k_dense_replace=1, n_group=1, topk_group=1, pad_token_id=0, bos_token_id=1,
+                eos_token_id=2, routed_scaling_factor=2.5)
+
+
+def test_kimi_k2_architecture_both_ways_with_deepseek_v3(tmp_path, transformers):
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**DEEPSEEK)).eval()
+    with torch.no_grad():
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+    hf.save_pretrained(tmp_path / "hf")
+    with pytest.warns(UserWarning, match="no MTP weights"):  # DeepseekV3Config declares one; transformers has none
+        model = K3ForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert model.config.hf_layout == "deepseek_v3" and not model.config.mla_use_nope
+    x = torch.randint(0, 256, (2, 12))
+    assert _rel(_logits(model, x), _logits(hf, x)) < 1e-5
+    model.save_pretrained(tmp_path / "k3")
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in load_file(tmp_path / "k3" / "model.safetensors")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "k3").eval()
+    assert type(back).__name__ == "DeepseekV3ForCausalLM" and _rel(_logits(back, x), _logits(model, x)) < 1e-5
+
+
+def test_reads_the_kimi_k2_5_release_layout(tmp_path):
+    """K2.5 wraps the K2 language model (text_config "kimi_k2") beside a vision tower: k3 loads the text model."""
+    cfg = K3Config.from_hf({"model_type": "deepseek_v3", **DEEPSEEK, "num_nextn_predict_layers": 0})
+    torch.manual_seed(0)
+    model = K3ForCausalLM(cfg).eval()
+    save_pretrained(model, tmp_path)
+    t = {f"language_model.{n}": v for n, v in load_file(tmp_path / "model.safetensors").items()}
+    t.update({"vision_tower.encoder.blocks.0.wqkv.weight": torch.zeros(3, 2), "mm_projector.proj.0.weight": torch.zeros(2)})
+    save_file(t, tmp_path / "model.safetensors")
+    text = {**cfg.to_hf(), "model_type": "kimi_k2"}
+    release = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"], "text_config": text,
+               "vision_config": {"patch_size": 14}, "media_placeholder_token_id": 163605}
+    (tmp_path / "config.json").write_text(json.dumps(release))
+    with pytest.warns(UserWarning, match="skipped 2 .*mm_projector, vision_tower"):
+        loaded = K3ForCausalLM.from_pretrained(tmp_path)
+    x = torch.randint(0, 256, (1, 10))
+    torch.testing.assert_close(_logits(loaded, x), _logits(model, x))
+    assert loaded.config.to_hf()["vision_config"] == {"patch_size": 14}  # the wrapper's keys are carried
+    yarn = {**text, "rope_scaling": {"type": "yarn", "factor": 32.0}}
+    with pytest.raises(ValueError, match="rope type 'yarn'"):
+        K3Config.from_hf({**release, "text_config": yarn})

@@ -6,7 +6,8 @@ import pytest
 
 from k3.data.kimi_tokenizer import KimiTokenizer
 from k3.serve.chat import ChatError, ChatTemplate, JinjaChatTemplate, chat_template_for
-from k3.serve.xtml import K3Output, KimiK3Chat, parse_tools_section, render_tool_calls
+from k3.serve.xtml import KimiK3Chat, render_tool_calls
+from k3.serve.xtml_reply import K3Output, parse_tools_section
 from tests.data.kimi_files import K2_TEMPLATE, write_kimi_tokenizer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",

@@ -80,6 +80,9 @@ class K3LM(TemplateLM):
             until = kwargs.pop("until", None) or []
             until = [until] if isinstance(until, str) else list(until)
             max_new = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
+            if max_new >= self.max_length:
+                raise ValueError(f"max_gen_toks = {max_new} leaves no room for the context in max_length = "
+                                 f"{self.max_length}; raise max_length in --model_args")
             sample = kwargs.pop("do_sample", False)
             temperature = float(kwargs.pop("temperature", 0.0)) if sample else 0.0
             ids = self.tok_encode(context)[-(self.max_length - max_new):] or [self.prefix_token_id]

@@ -87,10 +87,14 @@ def check_tool_choice(tools: Sequence[Mapping] | None, tool_choice: Any) -> None
         raise ChatError("tool_choice 'required' needs tools", "tool_choice")
 
 
-def _no_tools(fmt: str, tools, tool_choice) -> None:
+def _plain(fmt: str, tools, tool_choice, reasoning_effort) -> None:
+    """A format without tool calls or a thinking channel refuses both, naming the field."""
     if tools and tool_choice != "none":
         raise ChatError(f"this model's chat format ({fmt}) has no tool-call format: k3 cannot tell its tool calls "
                         "from text; leave tools out, or serve a model whose tokenizer has K3's chat format", "tools")
+    if reasoning_effort is not None:
+        raise ChatError(f"reasoning_effort is not supported by this model's chat format ({fmt}); leave it out",
+                        "reasoning_effort")
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -119,12 +123,12 @@ class ChatTemplate:
         """The prompt for ``messages`` ([{"role": ..., "content": ...}, ...], content as plain text)."""
         if not messages:
             raise ChatError("messages is empty; send at least one message")
-        _no_tools("ChatML", tools, tool_choice)
+        _plain("ChatML", tools, tool_choice, reasoning_effort)
         parts = [self.message_format.format(role=m["role"], content=m.get("content") or "") for m in messages]
         return "".join(parts) + self.generation_prompt
 
     def prompt(self, tokenizer, messages, tools=None, tool_choice=None, reasoning_effort=None) -> ChatPrompt:
-        return ChatPrompt(_encode(tokenizer, self.render(messages, tools, tool_choice)), PlainOutput())
+        return ChatPrompt(_encode(tokenizer, self.render(messages, tools, tool_choice, reasoning_effort)), PlainOutput())
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,7 @@ class JinjaChatTemplate:
 
         if not messages:
             raise ChatError("messages is empty; send at least one message")
-        _no_tools("a Jinja chat template", tools, tool_choice)
+        _plain("a Jinja chat template", tools, tool_choice, reasoning_effort)
 
         def raise_exception(message):
             raise ChatError(f"the chat template refused the messages: {message}")
@@ -161,7 +165,7 @@ class JinjaChatTemplate:
             raise ChatError(f"the chat template failed to render: {e}") from None
 
     def prompt(self, tokenizer, messages, tools=None, tool_choice=None, reasoning_effort=None) -> ChatPrompt:
-        return ChatPrompt(_encode(tokenizer, self.render(messages, tools, tool_choice)), PlainOutput())
+        return ChatPrompt(_encode(tokenizer, self.render(messages, tools, tool_choice, reasoning_effort)), PlainOutput())
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:

@@ -222,6 +222,7 @@ ERRORS = {
     "chat-max-completion-tokens-0": ("chat", {"max_completion_tokens": 0}, "max_completion_tokens"),
     "chat-tool-without-function": ("chat", {"tools": [{"type": "function"}]}, "tools.0.function"),
     "chat-tools-in-chatml": ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    "chat-reasoning-in-chatml": ("chat", {"reasoning_effort": "high"}, "reasoning_effort"),
 }
 
 

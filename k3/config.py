@@ -2,7 +2,8 @@
 
 Field names follow the published ``text_config`` so that a reader can hold the two side by side. The
 HF layout nests the KDA settings under ``linear_attn_config`` and lists layers 1-based; ``from_hf`` /
-``to_hf`` translate, and a round trip is lossless (housekeeping keys are carried verbatim in ``extra``).
+``to_hf`` translate (k3/config_hf.py: the Kimi Linear and K3 release layouts), and a round trip is lossless
+(housekeeping keys are carried verbatim in ``extra``).
 """
 
 from __future__ import annotations
@@ -14,17 +15,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 __all__ = ["K3Config", "PRESETS", "hybrid_layers"]
-
-# text_config keys we read into fields, and keys we carry through untouched.
-_LINEAR_KEYS = {"num_heads", "head_dim", "short_conv_kernel_size", "gate_lower_bound", "use_full_rank_gate",
-                "full_attn_layers", "kda_layers"}
-_PASSTHROUGH = {"architectures", "auto_map", "model_type", "torch_dtype", "dtype", "transformers_version", "use_cache",
-                "quantization_config", "rope_theta", "rope_scaling", "attention_dropout", "hidden_dropout",
-                "_name_or_path", "topk_method", "use_grouped_topk", "head_dim", "num_key_value_heads",
-                "max_position_embeddings", "initializer_range", "pad_token_id", "bos_token_id", "eos_token_id",
-                "moe_layer_freq", "attention_bias", "mlp_bias", "output_attentions", "output_hidden_states"}
-_TOP_LEVEL_HINT = {"text_config", "vision_config"}
-
 
 def hybrid_layers(num_layers: int, every: int = 4) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """K3's pattern, 1-based: MLA at every ``every``-th layer and the last; KDA elsewhere -> (mla, kda)."""
@@ -82,6 +72,11 @@ class K3Config:
     attn_res_block_size: int = 12
     # multi-token prediction
     num_nextn_predict_layers: int = 0
+    # context and special tokens (None: not known; a checkpoint with a tokenizer sets them)
+    max_position_embeddings: int = 1 << 20
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
     # HF keys carried verbatim for a lossless round trip; top_level holds the multimodal wrapper (None = bare)
     extra: dict = field(default_factory=dict, compare=True, repr=False)
     top_level: dict | None = field(default=None, compare=True, repr=False)
@@ -153,92 +148,27 @@ class K3Config:
     # ---- HF config.json ------------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, src: str | Path | dict, strict: bool = True) -> "K3Config":
-        """Read the published layout: a top-level dict with ``text_config``, or a bare text config.
+        """Read a config.json: the K3 release (``text_config`` inside a ``kimi_k3`` wrapper), a Kimi Linear
+        config (as transformers writes it), or a bare text config. ``src`` is a dict, a config.json path, or a
+        directory holding config.json. A key the file lacks means what the file's ``model_type`` means by it
+        (see k3/config_hf.py). Unknown keys raise (``strict=False`` carries them through instead)."""
+        from .config_hf import drop_generated, read_hf
 
-        ``src`` is a dict, a config.json path, or a directory holding config.json. Unknown keys raise
-        (``strict=False`` carries them through instead).
-        """
-        d = _load_json(src)
-        top = None
-        if _TOP_LEVEL_HINT & d.keys():
-            if "text_config" not in d:
-                raise ValueError("config has vision_config but no text_config: K3 needs the text model's fields")
-            top = {k: v for k, v in d.items() if k != "text_config"}
-            d = d["text_config"]
-        d = dict(d)
-        kw: dict[str, Any] = {}
-        lin = d.pop("linear_attn_config", None)
-        if lin is not None:
-            unknown = set(lin) - _LINEAR_KEYS
-            if unknown and strict:
-                raise ValueError(f"unknown field(s) in linear_attn_config: {sorted(unknown)}; known: {sorted(_LINEAR_KEYS)}")
-            kw["full_attn_layers"] = tuple(lin.get("full_attn_layers", ()))
-            kw["kda_layers"] = tuple(lin.get("kda_layers", ()))
-            kw["kda_num_heads"] = lin.get("num_heads", cls.kda_num_heads)
-            kw["kda_head_dim"] = lin.get("head_dim", cls.kda_head_dim)
-            kw["short_conv_kernel_size"] = lin.get("short_conv_kernel_size", cls.short_conv_kernel_size)
-            kw["use_full_rank_gate"] = lin.get("use_full_rank_gate", False)
-            if lin.get("gate_lower_bound") is None:
-                kw["gate"] = "softplus"
-            else:
-                kw["gate"], kw["gate_lower_bound"] = "lower_bound", float(lin["gate_lower_bound"])
-            extra_lin = {k: lin[k] for k in unknown}
-        else:  # no linear attention at all: every layer is MLA
-            n = d.get("num_hidden_layers", cls.num_hidden_layers)
-            kw["full_attn_layers"], kw["kda_layers"] = tuple(range(1, n + 1)), ()
-            extra_lin = None
-        block = d.pop("attn_res_block_size", None)
-        kw["attn_res"] = d.pop("k3_attn_res", "block" if block else "none")
-        kw["attn_res_block_size"] = block or cls.attn_res_block_size
-        if "rope_theta" in d and not d.get("mla_use_nope", True):
-            kw["rope_theta"] = float(d["rope_theta"])
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra", "top_level"}
-        extra = {}
-        for k, v in d.items():
-            if k in kw:
-                continue
-            if k in names:
-                kw[k] = v
-            elif k in _PASSTHROUGH or k in ("n_routed_experts",):
-                extra[k] = v
-            elif strict:
-                raise ValueError(f"unknown field {k!r} in the text config; pass strict=False to carry it through")
-            else:
-                extra[k] = v
-        if extra_lin:
-            extra["__linear_extra__"] = extra_lin
-        for k in ("full_attn_layers", "kda_layers"):
-            kw[k] = tuple(int(x) for x in kw[k])
-        return cls(**kw, extra=extra, top_level=top)
+        return drop_generated(cls(**read_hf(_load_json(src), cls, strict)))
 
     def to_hf(self) -> dict:
-        """The HF layout (top-level with text_config if it was read that way, else a bare text config)."""
-        d: dict[str, Any] = {}
-        skip = {"extra", "top_level", "full_attn_layers", "kda_layers", "kda_num_heads", "kda_head_dim",
-                "short_conv_kernel_size", "gate", "gate_lower_bound", "use_full_rank_gate", "attn_res",
-                "attn_res_block_size", "rope_theta"}
-        for f in dataclasses.fields(self):
-            if f.name not in skip:
-                d[f.name] = getattr(self, f.name)
-        # linear_attn_config is always written, also for all-MLA models, so that the KDA settings round-trip
-        lin = {"num_heads": self.kda_num_heads, "head_dim": self.kda_head_dim,
-               "short_conv_kernel_size": self.short_conv_kernel_size,
-               "full_attn_layers": list(self.full_attn_layers), "kda_layers": list(self.kda_layers)}
-        if self.gate == "lower_bound":
-            lin["gate_lower_bound"] = self.gate_lower_bound
-        lin["use_full_rank_gate"] = self.use_full_rank_gate
-        lin.update(self.extra.get("__linear_extra__") or {})
-        d["linear_attn_config"] = lin
-        if self.attn_res != "none":
-            d["attn_res_block_size"] = self.attn_res_block_size
-        if self.attn_res == "full":
-            d["k3_attn_res"] = "full"  # our extension; the official checkpoint uses blocks
-        if not self.mla_use_nope:
-            d["rope_theta"] = self.rope_theta
-        d.update({k: v for k, v in self.extra.items() if k != "__linear_extra__"})
-        if self.top_level is None:
-            return d
-        return {**self.top_level, "text_config": d}
+        """The config.json: Kimi Linear's layout when the model uses no K3-only mechanism, else the K3 release
+        layout (``kimi_k3`` wrapper with ``text_config``); ``hf_layout`` says which."""
+        from .config_hf import write_hf
+
+        return write_hf(self)
+
+    @property
+    def hf_layout(self) -> str:
+        """"kimi_linear" or "kimi_k3": which config.json layout (and weight layout) ``to_hf`` writes."""
+        from .config_hf import hf_layout
+
+        return hf_layout(self)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_hf(), indent=2) + "\n")

@@ -95,15 +95,106 @@ def test_inconsistent_or_unknown_fields_name_the_field(changes, field):
 
 def test_unknown_fields_can_be_carried_when_not_strict():
     c = K3Config.from_hf(_broken(some_new_field=1), strict=False)
-    assert c.to_hf()["some_new_field"] == 1
+    assert c.to_hf()["text_config"]["some_new_field"] == 1
 
 
 def test_bare_text_config_and_kimi_linear_style():
     c = K3Config.from_hf(OFFICIAL["text_config"])
-    assert c.top_level is None and "text_config" not in c.to_hf()
+    assert c == K3Config.from_hf(OFFICIAL).replace(top_level=None)
     lin = K3Config.preset("kimi-linear-48b").to_hf()
     assert "gate_lower_bound" not in lin["linear_attn_config"] and "attn_res_block_size" not in lin
     assert K3Config.from_hf(lin).gate == "softplus"
+
+
+# ---- the layouts each reader expects ------------------------------------------------------------------------
+
+def test_k3_models_are_written_in_the_release_layout():
+    """A config.json written from a preset has what AutoConfig / mlx-lm need to pick the architecture."""
+    out = K3Config.preset("tiny").replace(eos_token_id=0).to_hf()
+    assert out["model_type"] == "kimi_k3" and out["architectures"] == ["KimiK3ForConditionalGeneration"]
+    assert out["eos_token_id"] == 0 and "bos_token_id" in out and "pad_token_id" in out
+    text = out["text_config"]
+    assert text["model_type"] == "kimi_linear" and text["num_key_value_heads"] == text["num_attention_heads"]
+    assert text["eos_token_id"] == 0 and text["linear_attn_config"]["gate_lower_bound"] == -5.0
+
+
+def test_kimi_linear_models_are_written_as_transformers_writes_them():
+    out = K3Config.preset("kimi-linear-48b").to_hf()
+    assert out["model_type"] == "kimi_linear" and out["architectures"] == ["KimiLinearForCausalLM"]
+    assert "text_config" not in out
+    for key in ("num_key_value_heads", "model_max_length", "head_dim", "rope_theta", "layer_types", "mlp_layer_types",
+                "bos_token_id", "eos_token_id", "pad_token_id", "first_k_dense_replace"):
+        assert key in out, key
+    assert out["layer_types"][3] == "full_attention" and out["mlp_layer_types"][:2] == ["dense", "sparse"]
+
+
+# What transformers 5.x's KimiLinearForCausalLM.save_pretrained writes for a small model (keys and values as it
+# writes them; no first_k_dense_replace, no K3 key).
+TRANSFORMERS_KIMI_LINEAR = {
+    "architectures": ["KimiLinearForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 1, "dtype": "float32", "eos_token_id": 2, "head_dim": 8, "hidden_act": "silu",
+    "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 128, "kv_lora_rank": 32,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "linear_attn_config": {"full_attn_layers": [4], "head_dim": 16, "kda_layers": [1, 2, 3], "num_heads": 4,
+                           "short_conv_kernel_size": 4},
+    "linear_conv_kernel_dim": 4, "linear_head_dim": 16, "linear_num_heads": 4,
+    "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"], "model_max_length": 1048576,
+    "model_type": "kimi_linear", "moe_intermediate_size": 32, "moe_renormalize": True, "num_attention_heads": 4,
+    "num_expert_group": 1, "num_experts": 8, "num_experts_per_token": 2, "num_hidden_layers": 4,
+    "num_key_value_heads": 4, "num_shared_experts": 1, "output_router_logits": False, "pad_token_id": 0,
+    "pretraining_tp": 1, "q_lora_rank": None, "qk_head_dim": 24, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+    "rms_norm_eps": 1e-05, "routed_scaling_factor": 2.446, "tie_word_embeddings": False, "topk_group": 1,
+    "transformers_version": "5.24.0", "use_cache": True, "v_head_dim": 16, "vocab_size": 256,
+}
+
+
+def test_reads_what_transformers_writes_as_kimi_linear():
+    """Missing keys mean Kimi Linear (no output gate, no latent MoE, softplus gate), never K3's defaults."""
+    c = K3Config.from_hf(TRANSFORMERS_KIMI_LINEAR)
+    assert c.hf_layout == "kimi_linear"
+    assert (c.mla_use_output_gate, c.latent_moe, c.gate, c.use_full_rank_gate, c.attn_res) == \
+        (False, False, "softplus", False, "none")
+    assert (c.full_attn_layers, c.kda_layers, c.first_k_dense_replace) == ((4,), (1, 2, 3), 1)
+    assert (c.bos_token_id, c.eos_token_id, c.pad_token_id, c.max_position_embeddings) == (1, 2, 0, 1048576)
+    out = c.to_hf()
+    for k, v in TRANSFORMERS_KIMI_LINEAR.items():  # everything comes back
+        assert (v.items() <= out[k].items()) if isinstance(v, dict) else out[k] == v, k
+    assert K3Config.from_hf(out) == c
+
+
+def test_transformers_flat_keys_and_aliases():
+    d = {k: v for k, v in TRANSFORMERS_KIMI_LINEAR.items() if k != "linear_attn_config"}
+    d["num_local_experts"] = d.pop("num_experts")  # the names KimiLinearConfig(...) accepts as keyword arguments
+    d["num_experts_per_tok"] = d.pop("num_experts_per_token")
+    c = K3Config.from_hf(d)
+    assert c == K3Config.from_hf(TRANSFORMERS_KIMI_LINEAR)
+    bare = {k: v for k, v in TRANSFORMERS_KIMI_LINEAR.items() if k not in ("linear_attn_config", "layer_types")}
+    # neither linear_attn_config nor layer_types: KimiLinearConfig's own pattern (0-based i > 0, i % 4 == 0)
+    assert K3Config.from_hf(bare).full_attn_layers == ()
+    nine = {**bare, "num_hidden_layers": 9, "mlp_layer_types": ["dense"] + ["sparse"] * 8}
+    assert K3Config.from_hf(nine).full_attn_layers == (5, 9)
+
+
+def test_kimi_linear_48b_release_config_keys():
+    """The Kimi-Linear-48B config.json carries model_max_length (and no K3 key)."""
+    d = {k: v for k, v in K3Config.preset("kimi-linear-48b").to_hf().items()
+         if k not in ("layer_types", "mlp_layer_types", "qk_head_dim", "mla_use_output_gate",
+                      "routed_expert_hidden_size", "latent_moe_use_norm", "activation_situ_beta",
+                      "activation_situ_linear_beta", "num_nextn_predict_layers")}
+    assert K3Config.from_hf(d) == K3Config.preset("kimi-linear-48b")
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"layer_types": ["full_attention"] * 4}, "layer_types does not agree"),
+    ({"mlp_layer_types": ["sparse", "dense", "sparse", "sparse"]}, "dense' layers first"),
+    ({"qk_head_dim": 30}, "qk_head_dim = 30"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads = 2"),
+    ({"num_local_experts": 4}, "'num_local_experts' = 4 and 'num_experts' = 8"),
+    ({"model_type": "llama"}, "model_type 'llama'"),
+])
+def test_inconsistent_transformers_keys_are_named(changes, message):
+    with pytest.raises(ValueError, match=message):
+        K3Config.from_hf({**TRANSFORMERS_KIMI_LINEAR, **changes})
 
 
 def test_missing_file_and_bad_json(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -18,55 +19,104 @@ from .mxfp4 import dequantize_mxfp4
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-CONFIG = "config.json"
-_SKIP_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+CONFIG, GENERATION = "config.json", "generation_config.json"
+_SKIP_PREFIXES = ("vision_tower.", "vision_model.", "mm_projector.", "multi_modal_projector.")
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
 _MTP_OUT = re.compile(r"^mtp\.(\d+)\.(block\.)?(.*)$")
+_MTP_IN = re.compile(r"^model\.mtp\.(?:layers\.)?(\d+)\.(.*)$")  # model.mtp.layers.{i}.* / model.mtp.{i}.*
+_MTP_STEMS = {"enorm", "hnorm", "eh_proj", "shared_head"}
+_DEEPSEEK_EXPERT = {"gate": "w1", "down": "w2", "up": "w3"}  # DeepSeek-V3's expert projections -> Kimi's names
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], config: K3Config) -> dict[str, torch.Tensor]:
+    """Our state dict -> the checkpoint's names and shapes for ``config.hf_layout`` (Kimi Linear keeps ``A_log``
+    as [1, 1, H, 1], the shape transformers' and mlx-lm's Kimi Linear modules hold; K3's is [H]; DeepSeek-V3's
+    layout names the MoE ``mlp`` and its experts ``gate_proj`` / ``up_proj`` / ``down_proj``)."""
     out = {}
     L = config.num_hidden_layers
+    layout = config.hf_layout
+    a_log_shape = (1, 1, -1, 1) if layout == "kimi_linear" else (-1,)
+    deepseek = {v: k for k, v in _DEEPSEEK_EXPERT.items()} if layout == "deepseek_v3" else None
     for name, t in state.items():
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue
         m = _MTP_OUT.match(name)
         if m:
             name = f"model.layers.{L + int(m.group(1))}.{m.group(3)}"
+        if deepseek is not None:  # DeepseekV3ForCausalLM: the MoE under mlp., experts as gate/up/down_proj
+            name = name.replace(".block_sparse_moe.", ".mlp.")
         if re.search(r"\.experts\.w[123]$", name):
             base, w = name.rsplit(".", 1)
             for e in range(t.shape[0]):
-                out[f"{base}.{e}.{w}.weight"] = t[e]
+                out[f"{base}.{e}.{w}.weight" if deepseek is None else f"{base}.{e}.{deepseek[w]}_proj.weight"] = t[e]
             continue
+        if name.endswith(".A_log"):
+            t = t.reshape(a_log_shape)
         out[name] = t
     return out
 
 
+def _our_name(name: str, config: K3Config) -> str | None:
+    """A checkpoint tensor's name in our module tree, or None for a tensor the text model does not use."""
+    if name.startswith("language_model."):
+        name = name[len("language_model."):]
+    if name.startswith(_SKIP_PREFIXES):
+        return None
+    name = re.sub(r"_res\.(proj|norm)_weight$", r"_res_\1.weight", name)  # the dotted AttnRes form
+    # the router bias beside the router instead of in it
+    name = re.sub(r"\.block_sparse_moe\.e_score_correction_bias$", ".block_sparse_moe.gate.e_score_correction_bias", name)
+    L = config.num_hidden_layers
+    m = _MTP_IN.match(name)
+    if m:  # MTP stored apart from the trunk's layers
+        name = f"model.layers.{L + int(m.group(1))}.{m.group(2)}"
+    m = re.match(r"^model\.layers\.(\d+)\.(.*)$", name)
+    if not m:
+        return name
+    i, rest = int(m.group(1)), m.group(2)
+    if i >= L:
+        if rest.startswith("shared_head.head"):
+            return None  # the MTP head is the shared lm_head
+        return f"mtp.{i - L}.{rest}" if rest.split(".")[0] in _MTP_STEMS else f"mtp.{i - L}.block.{rest}"
+    if not config.is_moe_layer(i) and re.match(r"^block_sparse_moe\.(gate|up|down)_proj\.weight$", rest):
+        rest = "mlp." + rest[len("block_sparse_moe."):]  # transformers re-saves a dense layer's MLP under the MoE name
+    if config.is_moe_layer(i) and rest.startswith("mlp."):  # DeepSeek-V3's names (Kimi K2, K2.5)
+        rest = "block_sparse_moe." + rest[len("mlp."):]
+        rest = re.sub(r"\.experts\.(\d+)\.(gate|up|down)_proj\.", lambda m: f".experts.{m.group(1)}."
+                      f"{_DEEPSEEK_EXPERT[m.group(2)]}.", rest)
+    return f"model.layers.{i}.{rest}"
+
+
+def _gate_param(name: str, t: torch.Tensor, config: K3Config) -> torch.Tensor:
+    """``A_log`` as [H] and ``dt_bias`` as [H*K], whatever shape the checkpoint stores them in: [1, 1, H, 1]
+    (Kimi Linear), [H, K], or ``A_log`` padded beyond the head count (the K3 release ships 128 entries for 96
+    heads; the entries past the heads belong to no head, and every reader takes the first H)."""
+    H, K = config.kda_num_heads, config.kda_head_dim
+    flat = t.reshape(-1)
+    if name.endswith(".A_log"):
+        if flat.numel() < H:
+            raise CheckpointError(f"{name} has {flat.numel()} entries of shape {tuple(t.shape)}; expected one per KDA "
+                                  f"head (linear_attn_config.num_heads = {H})")
+        return flat[:H]
+    if flat.numel() != H * K:
+        raise CheckpointError(f"{name} has shape {tuple(t.shape)}; expected {H * K} values (num_heads {H} x head_dim "
+                              f"{K}), as [{H * K}] or [{H}, {K}]")
+    return flat
+
+
 def from_hf_state_dict(hf: dict[str, torch.Tensor], config: K3Config, dtype=None) -> tuple[dict, list[str]]:
-    """HF tensors -> our state dict. Returns (state, skipped names)."""
-    L, skipped = config.num_hidden_layers, []
+    """HF tensors -> our state dict. Returns (state, names of the tensors the text model does not use)."""
+    skipped = []
     if dtype is None:  # one dtype for the model: the embedding's (MXFP4 experts are dequantised to it)
         emb = hf.get("model.embed_tokens.weight", hf.get("language_model.model.embed_tokens.weight"))
         dtype = emb.dtype if emb is not None else torch.bfloat16
-    mtp_stems = {"enorm", "hnorm", "eh_proj", "shared_head"}
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     packed: dict[str, dict[str, torch.Tensor]] = {}
     state = {}
-    for name, t in hf.items():
-        if name.startswith("language_model."):
-            name = name[len("language_model."):]
-        if name.startswith(_SKIP_PREFIXES):
-            skipped.append(name)
+    for original, t in hf.items():
+        name = _our_name(original, config)
+        if name is None:
+            skipped.append(original)
             continue
-        name = re.sub(r"_res\.proj_weight$", "_res_proj.weight", name)
-        name = re.sub(r"_res\.norm_weight$", "_res_norm.weight", name)
-        m = re.match(r"^model\.layers\.(\d+)\.(.*)$", name)
-        if m and int(m.group(1)) >= L:
-            i, rest = int(m.group(1)) - L, m.group(2)
-            if rest.startswith("shared_head.head"):
-                skipped.append(name)  # the MTP head is the shared lm_head
-                continue
-            name = f"mtp.{i}.{rest}" if rest.split(".")[0] in mtp_stems else f"mtp.{i}.block.{rest}"
         m = _EXPERT.match(name)
         if m:
             base, e, w, kind = m.group(1), int(m.group(2)), m.group(3), m.group(4)
@@ -77,6 +127,11 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], config: K3Config, dtype=None
             continue
         if name.endswith("_res_proj.weight") and t.dim() == 1:
             t = t.view(1, -1)
+        if name.endswith((".A_log", ".dt_bias")):
+            t = _gate_param(name, t, config)
+        if name in state:
+            raise CheckpointError(f"{original} and another tensor both map to {name}: the checkpoint holds the same "
+                                  "weight under two names (e.g. its MTP layer as model.layers.N and model.mtp)")
         state[name] = t
     for key, parts in packed.items():
         base, w, e = key.split("|")
@@ -87,15 +142,9 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], config: K3Config, dtype=None
         E = config.num_experts
         if sorted(per) != list(range(E)):
             missing = sorted(set(range(E)) - set(per))
-            raise CheckpointError(f"{base}.{w}: expected experts 0..{E - 1}, missing {missing[:8]}")
+            raise CheckpointError(f"{base}.{w}: expected experts 0..{E - 1} (num_experts = {E}), missing "
+                                  f"{missing[:8]}, unexpected {sorted(set(per) - set(range(E)))[:8]}")
         state[f"{base}.{w}"] = torch.stack([per[e] for e in range(E)])
-    for name in [n for n in state if n.endswith(".A_log")]:
-        a, H = state[name].reshape(-1), config.kda_num_heads
-        if a.numel() > H:
-            if bool((a[H:] != 0).any()):
-                raise CheckpointError(f"{name}: {a.numel()} entries for {H} heads and the padding is not zero")
-            a = a[:H]
-        state[name] = a
     state = {k: (v.to(dtype) if v.is_floating_point() and not _keep_fp32(k) else v) for k, v in state.items()}
     return state, skipped
 
@@ -132,7 +181,7 @@ def save_pretrained(model, directory: str | Path, max_shard_bytes: int = 5 * 2**
     meta = {"format": "pt"}
     names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                for i in range(len(shards))] + [INDEX]
-    forget_checksums(d, names + [CONFIG])
+    forget_checksums(d, names + [CONFIG, GENERATION])
     if len(shards) == 1:
         _atomic_save(shards[0], d / SINGLE, meta)
         (d / INDEX).unlink(missing_ok=True)
@@ -146,8 +195,16 @@ def save_pretrained(model, directory: str | Path, max_shard_bytes: int = 5 * 2**
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         write_text_atomic(d / INDEX, json.dumps(index, indent=2))
         (d / SINGLE).unlink(missing_ok=True)
-    write_text_atomic(d / CONFIG, json.dumps(model.config.to_hf(), indent=2) + "\n")
-    record_checksums(d, names + [CONFIG])
+    c = model.config
+    write_text_atomic(d / CONFIG, json.dumps(c.to_hf(), indent=2) + "\n")
+    written = names + [CONFIG]
+    if c.eos_token_id is not None:  # where transformers' generate and mlx-lm read the ids that end generation
+        gen = {"bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id, "pad_token_id": c.pad_token_id}
+        write_text_atomic(d / GENERATION, json.dumps(gen, indent=2) + "\n")
+        written.append(GENERATION)
+    else:
+        (d / GENERATION).unlink(missing_ok=True)
+    record_checksums(d, written)
 
 
 def read_hf_tensors(directory: str | Path, verify: bool = True) -> dict[str, torch.Tensor]:
@@ -178,16 +235,42 @@ def read_hf_tensors(directory: str | Path, verify: bool = True) -> dict[str, tor
     return tensors
 
 
+def _mismatch(config: K3Config, missing: list[str], unexpected: list[str]) -> str:
+    def few(names):
+        return f"{names[:8]}{' ...' if len(names) > 8 else ''}"
+
+    hint = ""
+    layers = {int(m.group(1)) for n in missing + unexpected if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    if layers:
+        i = min(layers)
+        kind = "MoE" if config.is_moe_layer(i) else "dense"
+        hint = (f"; the config builds layer {i} as {config.layer_kind(i).upper()} attention + {kind} FFN "
+                f"(full_attn_layers, first_k_dense_replace = {config.first_k_dense_replace}, "
+                f"latent MoE {'on' if config.latent_moe else 'off'}, MLA output gate "
+                f"{'on' if config.mla_use_output_gate else 'off'}, AttnRes {config.attn_res})")
+    return (f"checkpoint does not match its config.json: missing {few(missing)}; unexpected {few(unexpected)}{hint}. "
+            "A checkpoint of another model, or a config.json that does not describe these weights?")
+
+
 def load_pretrained(directory: str | Path, config: K3Config | None = None, dtype=None, device="cpu",
                     strict: bool = True, verify: bool = True):
-    """Build a K3ForCausalLM from a checkpoint directory (ours or the official layout). ``verify``: check the
-    files read against the directory's SHA256SUMS (when it has one) and name any that differ."""
+    """Build a K3ForCausalLM from a checkpoint directory: k3's, the K3 release, or a Kimi Linear checkpoint
+    written by transformers. Tensors the text model does not use (vision tower, projector) are skipped with a
+    warning and listed in ``model.skipped_weights``. ``verify``: check the files read against the directory's
+    SHA256SUMS (when it has one) and name any that differ."""
     from ..model.transformer import K3ForCausalLM
 
     if verify:
         verify_checksums(directory, [CONFIG])
     config = config or K3Config.from_hf(directory)
     state, skipped = from_hf_state_dict(read_hf_tensors(directory, verify), config, dtype)
+    if "quantization_config" in config.extra:  # the experts were dequantised: the model in memory is not quantised
+        config = config.replace(extra={k: v for k, v in config.extra.items() if k != "quantization_config"})
+    if config.num_nextn_predict_layers and not any(k.startswith("mtp.") for k in state):
+        # DeepSeek-V3's config declares an MTP layer that transformers neither builds nor saves
+        warnings.warn(f"{directory}: config.json declares {config.num_nextn_predict_layers} MTP layer(s) but the "
+                      "checkpoint has no MTP weights; loading the model without MTP", stacklevel=2)
+        config = config.replace(num_nextn_predict_layers=0)
     with torch.device("meta"):
         model = K3ForCausalLM(config)
     expected = model.state_dict()
@@ -196,9 +279,7 @@ def load_pretrained(directory: str | Path, config: K3Config | None = None, dtype
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if strict and (missing or unexpected):
-        raise CheckpointError(f"checkpoint does not match the config: missing {missing[:10]}"
-                              f"{' ...' if len(missing) > 10 else ''}; unexpected {unexpected[:10]}"
-                              f"{' ...' if len(unexpected) > 10 else ''}")
+        raise CheckpointError(_mismatch(config, missing, unexpected))
     bad = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
            for k in expected if k in state and state[k].shape != expected[k].shape]
     if bad:
@@ -209,5 +290,10 @@ def load_pretrained(directory: str | Path, config: K3Config | None = None, dtype
     leftover = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if leftover:
         raise CheckpointError(f"parameters not in the checkpoint: {leftover[:10]}")
+    unused = [n for n in skipped if ".shared_head.head." not in n]  # MTP heads repeat lm_head: nothing to say
+    if unused:
+        prefixes = sorted({n.removeprefix("language_model.").split(".")[0] for n in unused})
+        warnings.warn(f"{directory}: loaded the text model; skipped {len(unused)} tensor(s) it does not use "
+                      f"(under {', '.join(prefixes)}); see model.skipped_weights", stacklevel=2)
     model.skipped_weights = skipped
     return model

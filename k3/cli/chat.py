@@ -1,4 +1,4 @@
-"""k3 chat: an interactive multi-turn chat in the terminal (the ChatML template of k3.serve.chat).
+"""k3 chat: an interactive multi-turn chat in the terminal, in the tokenizer's chat format (k3.serve.chat).
 
 Ctrl-C while a reply streams stops that reply (the request is cancelled in the engine) and keeps what was
 printed of it in the conversation; Ctrl-C or Ctrl-D (or an empty line) at the prompt ends the chat.
@@ -9,8 +9,7 @@ from __future__ import annotations
 import sys
 
 from .common import add_device_argument, add_verify_argument
-from .generate import (ReplyInterrupted, add_sampling_arguments, load_for_inference, make_engine, sampling_from_args,
-                       stream_completion, submit_prompt)
+from .generate import ReplyInterrupted, add_sampling_arguments, load_for_inference, make_engine, sampling_from_args
 
 HELP = "chat with a checkpoint in the terminal (multi-turn; earlier turns hit the prefix cache)"
 
@@ -35,12 +34,42 @@ def _read_line(stdin, stdout) -> str | None:
     return line.rstrip("\n") if line.strip() else None
 
 
+def reply(engine, template, messages, params, out) -> str:
+    """One assistant turn: prompt in the chat format, stream the reply's content to ``out``, return it. Ctrl-C
+    cancels the request, waits for the engine to end it, and raises ReplyInterrupted with the text so far."""
+    from ..inference.api import FinishEvent, GenerationRequest, TokenEvent
+
+    prompt = template.prompt(engine.tokenizer, messages)
+    content = []
+
+    def show(events):
+        for ev in events:
+            if ev.kind in ("content", "error"):
+                out.write(ev.text)
+                out.flush()
+                content.append(ev.text)  # after the write: an interrupted write was not shown
+
+    handle = engine.submit(GenerationRequest(tuple(prompt.ids), params))
+    try:
+        for ev in handle:
+            if isinstance(ev, TokenEvent):
+                show(prompt.parser.feed(ev.text))
+    except KeyboardInterrupt:
+        handle.cancel()
+        for ev in handle:  # the engine ends the request with FinishEvent("abort") at its next step
+            if isinstance(ev, FinishEvent):
+                break
+        raise ReplyInterrupted("".join(content)) from None
+    show(prompt.parser.finish())
+    return "".join(content)
+
+
 def run(args, stdin=sys.stdin, stdout=sys.stdout) -> int:
-    from ..serve.chat import ChatTemplate
+    from ..serve.chat import chat_template_for
     from ..train.loop import resolve_device
 
     model, tok = load_for_inference(args.checkpoint, resolve_device(args.device), verify=args.verify)
-    template = ChatTemplate()
+    template = chat_template_for(tok)
     params = sampling_from_args(args, template.stop)
     engine = make_engine(model, tok)
     engine.start()
@@ -50,12 +79,12 @@ def run(args, stdin=sys.stdin, stdout=sys.stdout) -> int:
         while (line := _read_line(stdin, stdout)) is not None:
             messages.append({"role": "user", "content": line})
             try:
-                reply = stream_completion(submit_prompt(engine, template.render(messages), params), out=stdout)
+                text = reply(engine, template, messages, params, stdout)
             except ReplyInterrupted as e:
-                reply = e.text
+                text = e.text
                 stdout.write(" [stopped]")
             stdout.write("\n")
-            messages.append({"role": "assistant", "content": reply})
+            messages.append({"role": "assistant", "content": text})
     finally:
         engine.stop()
     return 0

@@ -45,10 +45,12 @@ def inference_dtype(device, name: str = "auto") -> torch.dtype:
 def load_for_inference(path: str | Path, device, dtype: torch.dtype | None = None, verify: bool = True):
     """(model, tokenizer) from a checkpoint directory or a run directory holding ``checkpoint/``: the model in
     ``dtype`` (default: ``inference_dtype(device)``); ``verify`` checks the files against the checkpoint's
-    SHA256SUMS (k3.checkpoint.manifest) first."""
+    SHA256SUMS (k3.checkpoint.manifest) first. The tokenizer is the Kimi release's (``tiktoken.model`` +
+    ``tokenizer_config.json``) when the directory has one, else k3's ``tokenizer.json``."""
     from ..checkpoint import load_pretrained
     from ..checkpoint.manifest import verify_checksums
     from ..data import load_tokenizer
+    from ..data.kimi_tokenizer import is_kimi_tokenizer_dir
 
     p = Path(path)
     if not p.is_dir():
@@ -56,12 +58,14 @@ def load_for_inference(path: str | Path, device, dtype: torch.dtype | None = Non
                                 "(RUN/checkpoint) or a run directory")
     if (p / "checkpoint").is_dir():
         p = p / "checkpoint"
-    if not (p / "tokenizer.json").exists():
-        raise FileNotFoundError(f"no tokenizer.json in {p}: point --checkpoint at a k3 checkpoint directory")
+    kimi = is_kimi_tokenizer_dir(p)
+    if not (p / "tokenizer.json").exists() and not kimi:
+        raise FileNotFoundError(f"no tokenizer.json or tiktoken.model in {p}: point --checkpoint at a k3 checkpoint "
+                                "directory or a Kimi release directory")
     if verify:
-        verify_checksums(p, ["tokenizer.json"])
+        verify_checksums(p, ["tiktoken.model", "tokenizer_config.json"] if kimi else ["tokenizer.json"])
     model = load_pretrained(p, dtype=torch.float32, verify=verify).to(device, dtype or inference_dtype(device)).eval()
-    return model, load_tokenizer(p / "tokenizer.json")
+    return model, load_tokenizer(p)
 
 
 def make_engine(model, tok, name: str = "k3", **overrides):
@@ -89,11 +93,13 @@ def submit_prompt(engine, prompt: str, params):
     return engine.submit(GenerationRequest(tuple(ids), params))
 
 
-def stream_completion(handle, out=sys.stdout) -> str:
-    """Print the text of ``handle``'s tokens as they come and return it. Ctrl-C cancels the request (through the
-    handle), waits for the engine to end it, and raises ReplyInterrupted with the text so far."""
+def stream_completion(handle, out=None) -> str:
+    """Print the text of ``handle``'s tokens as they come (to ``out``, default: the current sys.stdout) and return
+    it. Ctrl-C cancels the request (through the handle), waits for the engine to end it, and raises
+    ReplyInterrupted with the text so far."""
     from ..inference.api import FinishEvent, TokenEvent
 
+    out = out or sys.stdout
     text = ""
     try:
         for ev in handle:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from ..atomic import write_text_atomic
 from .corpus import Document
 
 __all__ = ["EOS", "train_tokenizer", "save_tokenizer", "load_tokenizer", "encode", "encode_documents",
-           "decode", "eos_id", "unigram_entropy"]
+           "decode", "eos_id", "unigram_entropy", "byte_alphabet"]
 
 EOS = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
@@ -66,9 +67,14 @@ def save_tokenizer(tok: Tokenizer, path: str | os.PathLike) -> Path:
     return target
 
 
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """Load from a directory holding ``tokenizer.json`` or from the json file itself."""
+def load_tokenizer(path: str | os.PathLike):
+    """Load from a directory holding ``tokenizer.json`` or from the json file itself; a directory holding a Kimi
+    release's ``tiktoken.model`` gives a ``KimiTokenizer`` (k3.data.kimi_tokenizer) instead."""
+    from .kimi_tokenizer import KimiTokenizer, is_kimi_tokenizer_dir
+
     path = Path(path)
+    if path.is_dir() and is_kimi_tokenizer_dir(path):
+        return KimiTokenizer.from_dir(path)
     file = path / TOKENIZER_FILE if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"no tokenizer at {str(file)!r}; pass a directory holding {TOKENIZER_FILE} "
@@ -82,6 +88,9 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
 
 
 def eos_id(tok: Tokenizer) -> int:
+    """The id that ends a document: ``<|endoftext|>`` in k3's BPE, the configured ``eos_token`` of a Kimi one."""
+    if getattr(tok, "eos_token_id", None) is not None:
+        return tok.eos_token_id
     i = tok.token_to_id(EOS)
     if i is None:
         raise ValueError(f"tokenizer has no {EOS!r} token; train it with k3.data.train_tokenizer")
@@ -116,3 +125,19 @@ def unigram_entropy(token_ids: Sequence[int] | torch.Tensor) -> float:
     counts = torch.bincount(ids).double()
     p = counts[counts > 0] / ids.numel()
     return max(float(-(p * p.log()).sum()), 0.0)  # max: one symbol gives -0.0
+
+
+@lru_cache(maxsize=1)
+def byte_alphabet() -> list[str]:
+    """GPT-2's byte-level alphabet (what byte-level BPEs spell tokens in): the printable character of each byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = [""] * 256
+    for b, c in zip(bs, cs):
+        table[b] = chr(c)
+    return table

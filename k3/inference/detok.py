@@ -18,6 +18,8 @@ from functools import lru_cache
 
 from tokenizers import Tokenizer, decoders
 
+from ..data.tokenizer import byte_alphabet
+
 __all__ = ["IncrementalDetokenizer", "StopMatcher", "token_bytes", "token_text"]
 
 REPLACEMENT = "\ufffd"
@@ -107,18 +109,14 @@ class StopMatcher:
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet reversed: the printable stand-in character of each byte -> the byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return {c: b for b, c in enumerate(byte_alphabet())}
 
 
 def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
-    """The bytes one token stands for (a byte-level token may hold part of a UTF-8 character)."""
+    """The bytes one token stands for (a byte-level token may hold part of a UTF-8 character). A tokenizer that
+    knows them itself (``KimiTokenizer.token_bytes``) is asked directly."""
+    if hasattr(tokenizer, "token_bytes"):
+        return tokenizer.token_bytes(token_id)
     piece = tokenizer.id_to_token(int(token_id))
     if piece is None:
         raise ValueError(f"token id {token_id} is outside the tokenizer's vocabulary of "

@@ -37,7 +37,7 @@ class EngineConfig:
     prefill_chunk: int = 2048  # most tokens of one sequence's prompt per step
     step_tokens: int = 4096  # most tokens per step: decodes + prefill chunks
     max_batch: int = 64  # most running sequences
-    max_context: int | None = None  # default: the model's max_position_embeddings (or 1M), capped by the pool
+    max_context: int | None = None  # default: the model's max_position_embeddings, capped by the pool
     long_prompt: int = 32768  # prompts this long form the long class (per-class admission)
     long_share: float = 0.5  # of the prefill budget and of the pages, while short requests wait
     prefix_cache: bool = True
@@ -100,7 +100,7 @@ class Engine:
     def _context_limit(self, mc) -> int:
         """The longest sequence this engine can hold: the model's limit, capped by what one sequence can have of
         the pool (all pages but the scratch page and its own KDA pages)."""
-        limit = self.cfg.max_context or mc.extra.get("max_position_embeddings", 1 << 20)
+        limit = self.cfg.max_context or mc.max_position_embeddings
         if self.layout.n_mla:
             room = (self.pool.usable - self.layout.kda_pages) * self.layout.page_tokens
             if room < 1:

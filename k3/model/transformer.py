@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils import _pytree
 
 from ..config import K3Config
 from ..layers.depth.attn_res import DepthStream, PseudoQuery
@@ -16,6 +17,26 @@ from ..ops.varlen import document_ids, same_document
 from .block import DecoderLayer, _Query
 from .init import init_weights
 from .mtp import MTPLayer
+
+
+class CausalLMOutput(dict):
+    """What ``K3ForCausalLM`` returns: a dict (``out["logits"]``) whose keys are also attributes (``out.logits``),
+    as transformers' ``ModelOutput``. A field that was not computed is absent as a key and None as an attribute."""
+
+    FIELDS = ("logits", "loss", "lm_loss", "mtp_loss")
+
+    def __getattr__(self, name: str):
+        if name in self:
+            return self[name]
+        if name in self.FIELDS:
+            return None
+        raise AttributeError(f"{type(self).__name__} has no field {name!r}; it holds {list(self)}")
+
+
+# a pytree node, as dict is, so that FSDP2's hooks and torch.compile see the tensors inside
+_pytree.register_pytree_node(CausalLMOutput, lambda o: (list(o.values()), list(o.keys())),
+                             lambda values, keys: CausalLMOutput(zip(keys, values)),
+                             serialized_type_name="k3.CausalLMOutput")
 
 
 class K3Model(nn.Module):
@@ -88,6 +109,20 @@ class K3ForCausalLM(nn.Module):
                 m.fuse_projections()
         return self
 
+    def save_pretrained(self, directory, **kwargs) -> None:
+        """Write config.json + safetensors in the checkpoint layout of ``config.hf_layout`` (k3.checkpoint)."""
+        from ..checkpoint import save_pretrained  # checkpoint builds on the model: imported when called
+
+        save_pretrained(self, directory, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, directory, **kwargs) -> "K3ForCausalLM":
+        """Load a checkpoint directory: k3's, the K3 release, or a Kimi Linear one written by transformers.
+        Keyword arguments as ``k3.checkpoint.load_pretrained`` (``config``, ``dtype``, ``device``, ``strict``)."""
+        from ..checkpoint import load_pretrained
+
+        return load_pretrained(directory, **kwargs)
+
     def set_kda_backend(self, backend: str) -> None:
         """"auto" (fla-core on CUDA when importable), "torch" (the reference) or "fla", for every KDA layer."""
         from ..ops.kda import BACKENDS
@@ -100,9 +135,10 @@ class K3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, mtp_weight: float = 0.3, mixer=None,
-                return_logits: bool = True, loss_chunk: int = 4096) -> dict:
-        """Returns {"logits" [B,T,V]} and, with ``labels`` (same layout as input_ids, shifted inside;
-        -100 = ignore), "loss" = next-token CE (+ mtp_weight * "mtp_loss" when the config has MTP layers).
+                return_logits: bool = True, loss_chunk: int = 4096) -> CausalLMOutput:
+        """Returns a ``CausalLMOutput`` (``out["logits"]`` or ``out.logits`` [B,T,V]) and, with ``labels`` (same
+        layout as input_ids, shifted inside; -100 = ignore), "loss" = next-token CE (+ mtp_weight * "mtp_loss" when
+        the config has MTP layers) and "lm_loss".
         With ``cu_seqlens`` (B = 1, packed documents) no position predicts across a document boundary.
 
         ``return_logits=False`` (training): the losses only, computed ``loss_chunk`` tokens at a time with the head
@@ -118,7 +154,7 @@ class K3ForCausalLM(nn.Module):
             raise ValueError(f"loss_chunk must be >= 1; got {loss_chunk}")
         h = self.model(input_ids, cu_seqlens, mixer)
         normed = self.model.norm(h)
-        out = {"logits": self.lm_head(normed)} if return_logits else {}
+        out = CausalLMOutput(logits=self.lm_head(normed)) if return_logits else CausalLMOutput()
         if labels is None:
             return out
 

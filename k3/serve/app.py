@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 
 from ..inference.api import GenerationRequest, SamplingParams, TokenEvent
 from ..inference.engine import EngineFailed
-from .chat import ChatTemplate
+from .chat import ChatError, chat_template_for
 from .format import DONE, ChatFormat, CompletionFormat, Formatter, sse
 from .protocol import APIError, ChatRequest, CompletionRequest, error_body, validation_message
 from .stream import EventStream, collect, events
@@ -113,7 +113,8 @@ async def _sse(fmt: Formatter, handle: Any):
             if isinstance(event, TokenEvent):
                 if event.text or fmt.logprobs:
                     streamed += event.text
-                    yield sse(fmt.chunk(event.text, [event]))
+                    for chunk in fmt.chunks(event.text, [event]):
+                        yield sse(chunk)
                 continue
             if event.reason == "abort":
                 yield sse(_aborted().body())
@@ -123,7 +124,8 @@ async def _sse(fmt: Formatter, handle: Any):
                 break
             # text still held back (a possible stop-string prefix, an unfinished character) is sent now
             tail = event.text[len(streamed):] if event.text.startswith(streamed) else ""
-            yield sse(fmt.chunk(tail, [], event.reason))
+            for chunk in fmt.chunks(tail, [], event.reason):
+                yield sse(chunk)
             if fmt.include_usage:
                 yield sse(fmt.usage_chunk(event))
     except Exception as e:  # headers are gone already: report in-band, as OpenAI does
@@ -142,10 +144,11 @@ async def _respond(fmt: Formatter, handle: Any, request: Request, stream: bool):
     return fmt.response(tokens, finish)
 
 
-def create_app(engine: Any, chat_template: ChatTemplate | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine``; ``chat_template`` renders chat messages (default: ChatML)."""
-    template = chat_template or ChatTemplate()
+def create_app(engine: Any, chat_template: Any = None) -> FastAPI:
+    """The FastAPI app serving ``engine``; ``chat_template`` renders chat messages and parses replies (default:
+    the tokenizer's own format, ``k3.serve.chat.chat_template_for``)."""
     tokenizer = engine.tokenizer
+    template = chat_template or chat_template_for(tokenizer)
     if tokenizer is None:
         raise TypeError("create_app needs the engine's tokenizer as engine.tokenizer (the tokenizers.Tokenizer it "
                         "decodes with), to encode prompts and spell tokens in logprobs")
@@ -209,20 +212,26 @@ def create_app(engine: Any, chat_template: ChatTemplate | None = None) -> FastAP
         _check_common(engine, req)
         if req.top_logprobs and not req.logprobs:
             raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
-        text = template.render([{"role": m.role, "content": m.text()} for m in req.messages])
-        ids = await _prompt_ids(tokenizer, text)
+        try:
+            prompt = await run_in_threadpool(template.prompt, tokenizer, [m.as_dict() for m in req.messages],
+                                             req.tool_specs(), req.tool_choice_value(), req.reasoning_effort)
+        except ChatError as e:  # the format refused the messages or tools: say why
+            raise APIError(str(e), e.param) from None
+        ids = _check_ids(tokenizer, prompt.ids)
+        if not ids:
+            raise APIError("the prompt is empty; send at least one token", "messages")
         max_tokens = req.max_completion_tokens or req.max_tokens  # None: until EOS, a stop or the context limit
         _check_context(engine, len(ids), max_tokens or 1)
         stops = req.stop_list() + [s for s in template.stop if s not in req.stop_list()]
         params = _params(req, max_tokens, stops, req.top_logprobs or 0)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        fmt = ChatFormat(engine.model_name, tokenizer, bool(req.logprobs), include_usage)
+        fmt = ChatFormat(engine.model_name, tokenizer, bool(req.logprobs), include_usage, parser=prompt.parser)
         return await _respond(fmt, _submit(engine, ids, params, fmt.id), request, bool(req.stream))
 
     return app
 
 
-def run_server(engine: Any, host: str = "127.0.0.1", port: int = 8000, chat_template: ChatTemplate | None = None,
+def run_server(engine: Any, host: str = "127.0.0.1", port: int = 8000, chat_template: Any = None,
                log_level: str = "info") -> None:
     """Start ``engine``, serve it over HTTP until interrupted (Ctrl-C), then stop it. Binds to localhost by
     default: pass ``host="0.0.0.0"`` deliberately to expose an unauthenticated server to the network."""

@@ -3,7 +3,10 @@
 Completions: ``object: "text_completion"``, ``choices[0].text``, legacy logprobs
 ``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}``.
 Chat: ``object: "chat.completion"`` / ``"chat.completion.chunk"``, ``choices[0].message`` / ``delta``, logprobs
-``{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}], refusal: null}``.
+``{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}], refusal: null}``; the chat format's
+parser splits the text into ``content``, ``reasoning_content`` and ``tool_calls`` (``[{id, type: "function",
+function: {name, arguments}}]``, finish_reason ``"tool_calls"``; streamed as ``delta.tool_calls[{index, ...}]``).
+Malformed tool output comes back as content with ``tool_call_error`` saying what was wrong (a k3 extension).
 Both: ``usage = {prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details: {cached_tokens}}``.
 """
 
@@ -14,12 +17,13 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from tokenizers import Tokenizer
 
 from ..inference.api import FinishEvent, TokenEvent
 from ..inference.detok import token_bytes
+from .chat import OutputEvent, PlainOutput
 
 __all__ = ["Formatter", "CompletionFormat", "ChatFormat", "usage", "sse", "DONE"]
 
@@ -96,14 +100,16 @@ class CompletionFormat(Formatter):
     def response(self, events: Sequence[TokenEvent], f: FinishEvent) -> dict:
         return self._body("text_completion", [self._choice(f.text, events, f.reason)], usage=usage(f))
 
-    def chunk(self, text: str, events: Sequence[TokenEvent], finish_reason: str | None = None) -> dict:
-        return self._chunk_body(self._choice(text, events, finish_reason))
+    def chunks(self, text: str, events: Sequence[TokenEvent], finish_reason: str | None = None) -> list[dict]:
+        return [self._chunk_body(self._choice(text, events, finish_reason))]
 
 
 @dataclass
 class ChatFormat(Formatter):
     PREFIX: ClassVar[str] = "chatcmpl"
     CHUNK: ClassVar[str] = "chat.completion.chunk"
+    parser: Any = field(default_factory=PlainOutput)  # the chat format's: text -> OutputEvents
+    _calls: int = 0  # tool calls streamed so far (their delta index)
 
     def _logprobs(self, events: Sequence[TokenEvent]) -> dict | None:
         if not self.logprobs or not events:
@@ -116,15 +122,54 @@ class ChatFormat(Formatter):
             content.append({"token": token, "logprob": e.logprob, "bytes": list(raw), "top_logprobs": top})
         return {"content": content, "refusal": None}
 
+    @staticmethod
+    def _call(ev: OutputEvent) -> dict:
+        return {"id": ev.id, "type": "function", "function": {"name": ev.name, "arguments": ev.text}}
+
     def response(self, events: Sequence[TokenEvent], f: FinishEvent) -> dict:
-        message = {"role": "assistant", "content": f.text, "refusal": None}
-        choice = {"index": 0, "message": message, "logprobs": self._logprobs(events), "finish_reason": f.reason}
+        parsed = self.parser.feed(f.text) + self.parser.finish()
+        text = {k: "".join(e.text for e in parsed if e.kind == k) for k in ("content", "reasoning", "error")}
+        calls = [self._call(e) for e in parsed if e.kind == "tool_call"]
+        message = {"role": "assistant", "content": (text["content"] + text["error"]) or (None if calls else ""),
+                   "refusal": None}
+        if calls:
+            message["tool_calls"] = calls
+        if text["reasoning"]:
+            message["reasoning_content"] = text["reasoning"]
+        errors = [e.name for e in parsed if e.kind == "error"]
+        if errors:
+            message["tool_call_error"] = "; ".join(errors)
+        reason = "tool_calls" if calls and f.reason == "stop" else f.reason
+        choice = {"index": 0, "message": message, "logprobs": self._logprobs(events), "finish_reason": reason}
         return self._body("chat.completion", [choice], usage=usage(f))
 
     def first_chunk(self) -> dict | None:
         return self._chunk_body({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None})
 
-    def chunk(self, text: str, events: Sequence[TokenEvent], finish_reason: str | None = None) -> dict:
-        return self._chunk_body({"index": 0, "delta": {"content": text} if text else {},
-                                 "logprobs": self._logprobs(events), "finish_reason": finish_reason})
+    def _delta(self, ev: OutputEvent) -> dict:
+        if ev.kind == "tool_call":
+            self._calls += 1
+            return {"tool_calls": [{"index": self._calls - 1, **self._call(ev)}]}
+        if ev.kind == "error":
+            return {"content": ev.text, "tool_call_error": ev.name}
+        return {"reasoning_content" if ev.kind == "reasoning" else "content": ev.text}
+
+    def chunks(self, text: str, events: Sequence[TokenEvent], finish_reason: str | None = None) -> list[dict]:
+        """The stream chunks for newly generated ``text`` (one per parsed piece; the token logprobs ride on the
+        first, or on an empty delta when the parser holds the text back)."""
+        parsed = self.parser.feed(text) if text else []
+        if finish_reason is not None:
+            parsed += self.parser.finish()
+            if self._calls or any(e.kind == "tool_call" for e in parsed):
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        deltas = [self._delta(e) for e in parsed]
+        logprobs = self._logprobs(events)
+        if not deltas and (logprobs is not None or finish_reason is not None):
+            deltas = [{}]
+        out = []
+        for i, delta in enumerate(deltas):
+            last = i == len(deltas) - 1
+            out.append(self._chunk_body({"index": 0, "delta": delta, "logprobs": logprobs if i == 0 else None,
+                                         "finish_reason": finish_reason if last else None}))
+        return out

@@ -2,7 +2,8 @@
 
 Types are strict (``"max_tokens": "5"`` is an error, not 5); unknown fields are ignored, as OpenAI's own API
 does with fields it does not know; fields whose non-default values this server cannot honour (``n`` > 1,
-``echo``, ``best_of``, penalties, tools...) are rejected with a message naming them. ``top_k`` is an
+``echo``, ``best_of``, penalties, ``response_format``...) are rejected with a message naming them. Chat takes
+OpenAI's ``tools`` / ``tool_choice``, assistant ``tool_calls`` and ``role: "tool"`` messages. ``top_k`` is an
 extension (0 or -1 = off). Text must be valid Unicode: a lone UTF-16 surrogate (``"\ud800"``, which JSON can
 spell but no encoding can carry) is refused with the field named; ``seed`` must fit the sampler's 64-bit
 generator. Every error is HTTP 400 with the body
@@ -144,15 +145,56 @@ class TextPart(_Body):
     text: Text
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionSpec(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(_Body):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: dict[str, str]
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # assistant (thinking models)
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+    def as_dict(self) -> dict:
+        """The message as the chat formats take it (content as plain text)."""
+        d = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
+        if self.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return d
 
 
 class ChatRequest(_Sampling):
@@ -160,9 +202,16 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=5)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
     response_format: dict[str, Any] | None = None
-    ONLY = {**_NO_PENALTIES, "tools": (None, []), "tool_choice": (None, "none"),
-            "response_format": (None, {"type": "text"})}
+    ONLY = {**_NO_PENALTIES, "response_format": (None, {"type": "text"})}
+
+    def tool_specs(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def tool_choice_value(self) -> Any:
+        return self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
 

@@ -1,6 +1,6 @@
 """A deterministic stand-in for ``k3.inference.Engine`` with its public API, for testing the server alone.
 
-Whatever the prompt, the "model" writes ``SCRIPT`` (``repeat`` times) then EOS, one token per request per engine
+Whatever the prompt, the "model" writes ``script`` (default ``SCRIPT``; ``repeat`` times) then EOS, one token per request per engine
 step, from a background thread, like continuous batching. It honours max_tokens ("length"), stop strings (via
 the real IncrementalDetokenizer + StopMatcher, so TokenEvent texts are stop-safe and FinishEvent.text is the
 whole completion), cancel ("abort"), reports cached_tokens as the longest prefix shared with an earlier prompt
@@ -12,10 +12,14 @@ as an engine shutting down would).
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
+
+import uvicorn
 
 from k3.data.tokenizer import train_tokenizer
 from k3.inference.api import FinishEvent, GenerationRequest, TokenEvent
@@ -59,11 +63,11 @@ class _State:
 
 class FakeEngine:
     def __init__(self, tokenizer=None, max_context: int = 256, model_name: str = "k3-fake", step_delay: float = 0.0,
-                 repeat: int = 1):
+                 repeat: int = 1, script: str = SCRIPT):
         self.tokenizer = tokenizer or tiny_tokenizer()
         self.max_context, self.model_name = max_context, model_name
         self.step_delay, self.repeat, self.abort_after = step_delay, repeat, None
-        self.script = self.tokenizer.encode(SCRIPT, add_special_tokens=False).ids
+        self.script = self.tokenizer.encode(script, add_special_tokens=False).ids
         self.submitted: list[GenerationRequest] = []
         self.cancelled: list[str] = []
         self._prompts: list[tuple[int, ...]] = []
@@ -163,3 +167,24 @@ def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
             break
         n += 1
     return n
+
+
+@contextmanager
+def live_server(app):
+    """A real uvicorn server for ``app`` on 127.0.0.1 (a free port, a background thread); yields its /v1 URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))  # the OS picks a free port; loopback only
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()

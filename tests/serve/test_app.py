@@ -220,7 +220,6 @@ ERRORS = {
     "chat-n-3": ("chat", {"n": 3}, "n"),
     "chat-too-long": ("chat", {"messages": [{"role": "user", "content": TOO_LONG}]}, "max_tokens"),
     "chat-max-completion-tokens-0": ("chat", {"max_completion_tokens": 0}, "max_completion_tokens"),
-    "chat-tools": ("chat", {"tools": [{"type": "function"}]}, "tools"),
     "temperature-nan": ("c", {"temperature": float("nan")}, "temperature"),
     "seed-2^64": ("c", {"seed": 2**64}, "seed"),
     "seed-below-int64": ("c", {"seed": -2**63 - 1}, "seed"),
@@ -231,6 +230,9 @@ ERRORS = {
     "chat-part-lone-surrogate": ("chat", {"messages": [{"role": "user",
                                                         "content": [{"type": "text", "text": "\udc00"}]}]},
                                  "messages.0.content.0.text"),
+    "chat-tool-without-function": ("chat", {"tools": [{"type": "function"}]}, "tools.0.function"),
+    "chat-tools-in-chatml": ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    "chat-reasoning-in-chatml": ("chat", {"reasoning_effort": "high"}, "reasoning_effort"),
 }
 
 

@@ -1,17 +1,14 @@
 """A real uvicorn server on 127.0.0.1 (free port, background thread), spoken to with the official openai client."""
 
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-import uvicorn
 
 from k3.serve import create_app
 
-from .fake_engine import FakeEngine
+from .fake_engine import FakeEngine, live_server
 
 MODEL = "k3-fake"
 IM_END = ("<|im_end|>",)
@@ -27,20 +24,8 @@ def engine():
 
 @pytest.fixture(scope="module")
 def base_url(engine):
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))  # the OS picks a free port; loopback only
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    server.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    with live_server(create_app(engine)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -77,8 +77,7 @@ def test_checkpoint_of_another_model_config_is_named(tmp_path):
 
     run(tmp_path, "c", steps=1)
     ck = find_checkpoint(tmp_path / "c")
-    other = K3Config.preset("tiny").replace(vocab_size=ck and json.loads((ck / "config.json").read_text())["vocab_size"],
-                                           hidden_size=96)
+    other = K3Config.preset("tiny").replace(vocab_size=K3Config.from_hf(ck).vocab_size, hidden_size=96)
     with pytest.raises(CheckpointError, match="hidden_size"):
         load_checkpoint(ck, other)
 

@@ -85,6 +85,13 @@ class ModelRunner:
         return out
 
     def prefill(self, items: list[PrefillItem]) -> dict[str, Sampled]:
+        want = [it for it in items if it.sample is not None]
+        logits = self.prefill_logits(items)
+        return self._sample_eager(logits, want) if want else {}
+
+    def prefill_logits(self, items: list[PrefillItem]) -> torch.Tensor:
+        """Run the chunks of ``items`` (their state and latents go into the pool); the next-token logits [n,V] fp32
+        of the items whose chunk ends their pending tokens (``sample`` set), in order."""
         dev, Tp = self.device, self.pool.layout.page_tokens
         lengths = [len(it.tokens) for it in items]
         starts = [it.start for it in items]
@@ -104,12 +111,9 @@ class ModelRunner:
         mixer = PrefillMixer(self.pool, self.kda_slot, self.mla_slot, cu.to(dev), starts, lengths, slots, context, kda,
                              positions.to(dev)[None])
         h = self.model.model(ids, mixer=mixer)  # [1,T,D]
-        want = [i for i, it in enumerate(items) if it.sample is not None]
-        if not want:
-            return {}
-        last = torch.tensor([int(cu[i + 1]) - 1 for i in want], device=dev)
-        logits = self.model.lm_head(self.model.model.norm(h[0, last])).float()
-        return self._sample_eager(logits, [items[i] for i in want])
+        last = torch.tensor([int(cu[i + 1]) - 1 for i, it in enumerate(items) if it.sample is not None],
+                            dtype=torch.long, device=dev)
+        return self.model.lm_head(self.model.model.norm(h[0, last])).float()
 
     def decode(self, items: list[DecodeItem]) -> dict[str, Sampled]:
         logits = self.decode_logits(items)

@@ -41,10 +41,20 @@ def decode_applies(z: torch.Tensor, idx: torch.Tensor) -> bool:
 
 def expert_decode(z, weights, idx, w1, w3, w2, act: str, b1: float, b2: float) -> torch.Tensor:
     """z [N,L], weights [N,k] fp32, idx [N,k]; w1, w3 [E,I,L], w2 [E,L,I] -> u [N,L] fp32 (Triton kernels; they
-    also run under TRITON_INTERPRET=1 on CPU tensors)."""
-    from ._moe_decode_triton import moe_decode_kernels
-
+    also run under TRITON_INTERPRET=1 on CPU tensors). A custom op: torch.compile calls it as one opaque kernel."""
     if act not in ("situ", "silu", "swiglu"):
         raise ValueError(f"unknown activation {act!r}; expected 'situ' or 'silu'")
-    return moe_decode_kernels(z.contiguous(), weights.float().contiguous(), idx.contiguous(), w1, w3, w2,
-                              act == "situ", float(b1), float(b2))
+    return torch.ops.k3.expert_decode(z, weights, idx, w1, w3, w2, act == "situ", float(b1), float(b2))
+
+
+@torch.library.custom_op("k3::expert_decode", mutates_args=())
+def _expert_decode(z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                   w2: torch.Tensor, situ: bool, b1: float, b2: float) -> torch.Tensor:
+    from ._moe_decode_triton import moe_decode_kernels
+
+    return moe_decode_kernels(z.contiguous(), weights.float().contiguous(), idx.contiguous(), w1, w3, w2, situ, b1, b2)
+
+
+@_expert_decode.register_fake
+def _(z, weights, idx, w1, w3, w2, situ, b1, b2):
+    return z.new_empty(z.shape, dtype=torch.float32)

@@ -1,0 +1,56 @@
+"""The engine's parts on a GPU, each against the model's own forward over the whole sequence (bf16: relative RMS
+of the logits within 3e-2), with fla-core's kernels and with the reference kernels on the same GPU, so that a
+disagreement names its part: the packed prefill of several prompts, then eager decode steps."""
+
+import pytest
+import torch
+
+from k3 import K3Config, K3ForCausalLM
+from k3.data.tokenizer import train_tokenizer
+from k3.inference.api import GenerationRequest, SamplingParams
+from k3.inference.engine import Engine, EngineConfig
+
+pytestmark = pytest.mark.gpu
+LENGTHS = (3, 70, 600, 1500, 2100)
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt())
+
+
+@pytest.mark.parametrize("backend", ["fla", "torch"])
+@torch.no_grad()
+def test_prefill_then_eager_decode_match_the_full_forward(backend):
+    tok = train_tokenizer(["def f(x):\n    return x\n", "import os\n"] * 30, 300)
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset("small").replace(vocab_size=4096, num_nextn_predict_layers=0))
+    model = model.to("cuda", torch.bfloat16).eval()
+    model.set_kda_backend(backend)
+    eng = Engine(model, tok, EngineConfig(num_pages=256, page_tokens=256, hash_block=256, prefill_chunk=4096,
+                                          step_tokens=8192, max_batch=8, prefix_cache=False, cuda_graphs=False))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 4000, (n,), generator=g).tolist() for n in LENGTHS]
+    for p in prompts:
+        eng.submit(GenerationRequest(tuple(p), SamplingParams(max_tokens=16, ignore_eos=True)))
+    plan = eng.scheduler.schedule()
+    assert len(plan.prefill) == len(prompts) and all(it.sample is not None for it in plan.prefill)
+    logits = eng.runner.prefill_logits(plan.prefill)  # every prompt in one packed forward
+    eng.scheduler.update(plan, eng.seqs)
+    errs = [_rel(logits[i], model(torch.tensor([p], device="cuda"))["logits"][0, -1]) for i, p in enumerate(prompts)]
+    print(f"{backend} prefill: " + ", ".join(f"{n}: {e:.1e}" for n, e in zip(LENGTHS, errs)), flush=True)
+    for it in plan.prefill:
+        eng.seqs[it.seq_id].tokens.append(7)
+    worst = []
+    for step in range(4):
+        plan = eng.scheduler.schedule()
+        lg = eng.runner.decode_logits(plan.decode)
+        eng.scheduler.update(plan, eng.seqs)
+        row = []
+        for b, it in enumerate(plan.decode):
+            seq = eng.seqs[it.seq_id]
+            row.append(_rel(lg[b], model(torch.tensor([seq.tokens], device="cuda"))["logits"][0, -1]))
+            seq.tokens.append(int(lg[b].argmax()))
+        print(f"{backend} decode step {step}: " + ", ".join(f"{e:.1e}" for e in row), flush=True)
+        worst.append(max(row))
+    eng.stop()
+    assert max(errs) < 3e-2 and max(worst) < 3e-2, (errs, worst)

@@ -82,6 +82,9 @@ class K3Config:
     attn_res_block_size: int = 12
     # multi-token prediction
     num_nextn_predict_layers: int = 0
+    # quantisation-aware training (SPEC §6): "mxfp4" = routed experts run MXFP4 weights and MXFP8 inputs (fake-quant,
+    # straight-through gradients); written as "k3_qat" in config.json
+    qat: str | None = None
     # HF keys carried verbatim for a lossless round trip; top_level holds the multimodal wrapper (None = bare)
     extra: dict = field(default_factory=dict, compare=True, repr=False)
     top_level: dict | None = field(default=None, compare=True, repr=False)
@@ -190,6 +193,7 @@ class K3Config:
         block = d.pop("attn_res_block_size", None)
         kw["attn_res"] = d.pop("k3_attn_res", "block" if block else "none")
         kw["attn_res_block_size"] = block or cls.attn_res_block_size
+        kw["qat"] = d.pop("k3_qat", None)
         if "rope_theta" in d and not d.get("mla_use_nope", True):
             kw["rope_theta"] = float(d["rope_theta"])
         names = {f.name for f in dataclasses.fields(cls)} - {"extra", "top_level"}
@@ -216,7 +220,7 @@ class K3Config:
         d: dict[str, Any] = {}
         skip = {"extra", "top_level", "full_attn_layers", "kda_layers", "kda_num_heads", "kda_head_dim",
                 "short_conv_kernel_size", "gate", "gate_lower_bound", "use_full_rank_gate", "attn_res",
-                "attn_res_block_size", "rope_theta"}
+                "attn_res_block_size", "rope_theta", "qat"}
         for f in dataclasses.fields(self):
             if f.name not in skip:
                 d[f.name] = getattr(self, f.name)
@@ -235,6 +239,8 @@ class K3Config:
             d["k3_attn_res"] = "full"  # our extension; the official checkpoint uses blocks
         if not self.mla_use_nope:
             d["rope_theta"] = self.rope_theta
+        if self.qat is not None:
+            d["k3_qat"] = self.qat  # our extension: the scheme the model trains (and runs unpacked) with
         d.update({k: v for k, v in self.extra.items() if k != "__linear_extra__"})
         if self.top_level is None:
             return d
@@ -298,6 +304,13 @@ def _validate(c: K3Config) -> None:
         need(c.num_expert_group == 1 and c.topk_group == 1, "num_expert_group",
              "grouped top-k (num_expert_group > 1) is not implemented; K3, K2 and Kimi Linear all use 1")
     need(c.num_nextn_predict_layers >= 0, "num_nextn_predict_layers", "must be >= 0")
+    need(c.qat in (None, "mxfp4"), "qat", f"must be None or 'mxfp4' (MXFP4 experts, MXFP8 inputs); got {c.qat!r}")
+    if c.qat is not None:
+        width = "routed_expert_hidden_size" if c.latent_moe else "hidden_size"
+        bad = {k: v for k, v in ((width, c.expert_dim),
+                                 ("moe_intermediate_size", c.moe_intermediate_size)) if v % 32}
+        need(not bad, "qat", f"MXFP4/MXFP8 blocks are 32 values along each expert matmul's input: {bad} must be "
+             "multiples of 32")
 
 
 # ---- presets ----------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..config import K3Config
-from .mxfp4 import dequantize_mxfp4
+from ..ops.mx import dequantize_mxfp4
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -35,17 +35,20 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], config: K3Config) -> dict[s
         m = _MTP_OUT.match(name)
         if m:
             name = f"model.layers.{L + int(m.group(1))}.{m.group(3)}"
-        if re.search(r"\.experts\.w[123]$", name):
-            base, w = name.rsplit(".", 1)
+        m = re.search(r"\.experts\.(w[123])(\.weight_packed|\.weight_scale)?$", name)
+        if m:  # a bank [E, ...] (packed: two tensors) -> one tensor per expert
+            base, w, kind = name[:m.start()] + ".experts", m.group(1), m.group(2) or ".weight"
             for e in range(t.shape[0]):
-                out[f"{base}.{e}.{w}.weight"] = t[e]
+                out[f"{base}.{e}.{w}{kind}"] = t[e]
             continue
         out[name] = t
     return out
 
 
-def from_hf_state_dict(hf: dict[str, torch.Tensor], config: K3Config, dtype=None) -> tuple[dict, list[str]]:
-    """HF tensors -> our state dict. Returns (state, skipped names)."""
+def from_hf_state_dict(hf: dict[str, torch.Tensor], config: K3Config, dtype=None,
+                       keep_packed: bool = False) -> tuple[dict, list[str]]:
+    """HF tensors -> our state dict. Returns (state, skipped names). MXFP4 experts are dequantised, or with
+    ``keep_packed`` stacked as ``...experts.w{n}.weight_packed`` / ``.weight_scale`` [E, ...]."""
     L, skipped = config.num_hidden_layers, []
     if dtype is None:  # one dtype for the model: the embedding's (MXFP4 experts are dequantised to it)
         emb = hf.get("model.embed_tokens.weight", hf.get("language_model.model.embed_tokens.weight"))
@@ -84,7 +87,12 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], config: K3Config, dtype=None
         base, w, e = key.split("|")
         if set(parts) != {"weight_packed", "weight_scale"}:
             raise CheckpointError(f"{base}.{e}.{w}: MXFP4 needs weight_packed and weight_scale; found {sorted(parts)}")
-        experts.setdefault((base, w), {})[int(e)] = dequantize_mxfp4(parts["weight_packed"], parts["weight_scale"], dtype)
+        if keep_packed:
+            for kind, t in parts.items():
+                experts.setdefault((base, f"{w}.{kind}"), {})[int(e)] = t
+        else:
+            experts.setdefault((base, w), {})[int(e)] = dequantize_mxfp4(parts["weight_packed"], parts["weight_scale"],
+                                                                         dtype)
     for (base, w), per in experts.items():
         E = config.num_experts
         if sorted(per) != list(range(E)):
@@ -124,14 +132,23 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_pretrained(model, directory: str | Path, max_shard_bytes: int = 5 * 2**30, state: dict | None = None) -> None:
+def save_pretrained(model, directory: str | Path, max_shard_bytes: int = 5 * 2**30, state: dict | None = None,
+                    quantization: str | None = None) -> None:
     """Write config.json and the weights in HF naming; shards + ``model.safetensors.index.json`` when the
     weights exceed ``max_shard_bytes``. Every file is written to a temp name and renamed into place.
-    ``state``: the full state dict to write instead of ``model.state_dict()`` (e.g. gathered from FSDP shards)."""
+    ``state``: the full state dict to write instead of ``model.state_dict()`` (e.g. gathered from FSDP shards).
+    ``quantization="mxfp4"``: routed experts in the release's packed layout (k3.quant.export) with its
+    ``quantization_config``; a model that already keeps its experts packed is written packed either way."""
+    from ..quant.export import is_packed_state, pack_expert_state, quantization_config
+
+    if quantization not in (None, "mxfp4"):
+        raise ValueError(f"save_pretrained(quantization=...) must be None or 'mxfp4'; got {quantization!r}")
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    state = model.state_dict() if state is None else state
-    hf = to_hf_state_dict({k: v.detach().cpu() for k, v in state.items()}, model.config)
+    state = {k: v.detach().cpu() for k, v in (model.state_dict() if state is None else state).items()}
+    if quantization == "mxfp4":
+        state = pack_expert_state(state)
+    hf = to_hf_state_dict(state, model.config)
     # tensors that share storage (the per-expert views of one 3-D tensor) must be saved as separate copies
     hf = {k: v.clone() if v.storage_offset() or not v.is_contiguous() else v for k, v in hf.items()}
     shards: list[dict] = [{}]
@@ -157,7 +174,13 @@ def save_pretrained(model, directory: str | Path, max_shard_bytes: int = 5 * 2**
                 total += v.numel() * v.element_size()
         _atomic_write_text(d / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         (d / SINGLE).unlink(missing_ok=True)
-    _atomic_write_text(d / "config.json", json.dumps(model.config.to_hf(), indent=2) + "\n")
+    # quantization_config describes the tensors written: there when the experts are packed, dropped when not (a
+    # release checkpoint loaded dequantised and saved again is plain bf16/fp32)
+    extra = {k: v for k, v in model.config.extra.items() if k != "quantization_config"}
+    if is_packed_state(state):
+        extra["quantization_config"] = quantization_config()
+    config = model.config.replace(extra=extra)
+    _atomic_write_text(d / "config.json", json.dumps(config.to_hf(), indent=2) + "\n")
 
 
 def read_hf_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
@@ -186,14 +209,21 @@ def read_hf_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_pretrained(directory: str | Path, config: K3Config | None = None, dtype=None, device="cpu",
-                    strict: bool = True):
-    """Build a K3ForCausalLM from a checkpoint directory (ours or the official layout)."""
+                    strict: bool = True, keep_packed: bool = False):
+    """Build a K3ForCausalLM from a checkpoint directory (ours or the official layout). ``keep_packed``: serve the
+    routed experts packed (MXFP4, k3.quant.PackedExpertBank); float experts in the checkpoint are quantised on
+    load (post-training quantisation)."""
     from ..model.transformer import K3ForCausalLM
+    from ..quant import pack_expert_state, pack_experts
 
     config = config or K3Config.from_hf(directory)
-    state, skipped = from_hf_state_dict(read_hf_tensors(directory), config, dtype)
+    state, skipped = from_hf_state_dict(read_hf_tensors(directory), config, dtype, keep_packed=keep_packed)
+    if keep_packed:
+        state = pack_expert_state(state)
     with torch.device("meta"):
         model = K3ForCausalLM(config)
+    if keep_packed:
+        pack_experts(model, quantize=False)
     expected = model.state_dict()
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)

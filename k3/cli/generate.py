@@ -15,6 +15,12 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt", required=True)
     add_sampling_arguments(p)
     p.add_argument("--device", default="auto")
+    add_packed_argument(p)
+
+
+def add_packed_argument(p) -> None:
+    p.add_argument("--packed-experts", action="store_true", help="keep the routed experts packed in memory (MXFP4, "
+                   "4.25 bits per weight; MXFP8 activations); a checkpoint with float experts is quantised on load")
 
 
 def add_sampling_arguments(p, max_tokens: int = 64) -> None:
@@ -32,8 +38,9 @@ def sampling_from_args(args, stop=()):
                           top_p=args.top_p, seed=args.seed, stop=tuple(stop))
 
 
-def load_for_inference(path: str | Path, device):
-    """(model, tokenizer) from a checkpoint directory or a run directory holding ``checkpoint/``."""
+def load_for_inference(path: str | Path, device, packed_experts: bool = False):
+    """(model, tokenizer) from a checkpoint directory or a run directory holding ``checkpoint/``; ``packed_experts``:
+    the routed experts stay MXFP4-packed (k3.quant.PackedExpertBank)."""
     from ..checkpoint import load_pretrained
     from ..data import load_tokenizer
 
@@ -42,7 +49,7 @@ def load_for_inference(path: str | Path, device):
         p = p / "checkpoint"
     if not (p / "tokenizer.json").exists():
         raise FileNotFoundError(f"no tokenizer.json in {p}: point --checkpoint at a k3 checkpoint directory")
-    model = load_pretrained(p, dtype=torch.float32).to(device).eval()
+    model = load_pretrained(p, dtype=torch.float32, keep_packed=packed_experts).to(device).eval()
     return model, load_tokenizer(p / "tokenizer.json")
 
 
@@ -84,7 +91,7 @@ def generate_text(model, tok, prompt: str, max_tokens: int, temperature: float =
 def run(args) -> int:
     from ..train.loop import resolve_device
 
-    model, tok = load_for_inference(args.checkpoint, resolve_device(args.device))
+    model, tok = load_for_inference(args.checkpoint, resolve_device(args.device), args.packed_experts)
     engine = make_engine(model, tok, Path(args.checkpoint).name)
     engine.start()
     try:

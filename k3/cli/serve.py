@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from ..config import PRESETS
+from .generate import add_packed_argument
 
 HELP = "serve a checkpoint over an OpenAI-compatible HTTP API (localhost by default)"
 
@@ -25,6 +26,7 @@ def add_arguments(p) -> None:
     p.add_argument("--checkpoint-every", type=int, default=4, help="KDA state checkpoint every N hash blocks")
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--device", default="auto")
+    add_packed_argument(p)
 
 
 def _random_model(preset: str, device):
@@ -39,19 +41,24 @@ def _random_model(preset: str, device):
 
 def run(args) -> int:
     from ..inference.engine import Engine, EngineConfig
+    from ..model.params import memory_summary
+    from ..quant import pack_experts
     from ..serve import run_server
     from ..train.loop import resolve_device
     from .generate import load_for_inference
 
     device = resolve_device(args.device)
     if args.checkpoint:
-        model, tok = load_for_inference(args.checkpoint, device)
+        model, tok = load_for_inference(args.checkpoint, device, args.packed_experts)
         name = args.model_name or Path(args.checkpoint).resolve().name
     else:
         if not args.random_init:
             raise ValueError("--preset serves random weights only with --random-init (use --checkpoint for a trained model)")
         model, tok = _random_model(args.preset, device)
+        if args.packed_experts:
+            pack_experts(model)
         name = args.model_name or args.preset
+    print(f"k3 serve: {memory_summary(model)}", flush=True)
     engine = Engine(model, tok, EngineConfig(num_pages=args.num_pages, page_tokens=args.page_tokens,
                                              hash_block=min(args.hash_block, args.page_tokens),
                                              checkpoint_every=args.checkpoint_every, max_batch=args.max_batch),

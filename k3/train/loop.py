@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint import load_pretrained
 from ..config import K3Config
 from ..data import (PackedDataset, encode_documents, eos_id, leading_documents, load_documents, load_tokenizer,
                     save_tokenizer, split_documents, stdlib_documents, train_tokenizer, unigram_entropy)
@@ -62,6 +63,8 @@ class TrainConfig:
     dp: int = 1  # data-parallel ranks (FSDP2) when run under torchrun; batch_size is per rank
     cp: int = 1  # context-parallel ranks: every sequence is split along time over them (KCP + gathered MLA)
     ep: int = 1  # expert-parallel ranks: routed experts sharded, MoonEP-balanced all-to-all dispatch
+    qat: str | None = None  # "mxfp4": quantisation-aware training of the routed experts (SPEC §6)
+    init_from: str | None = None  # start from this checkpoint's weights and tokenizer (fine-tuning, e.g. QAT)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -119,9 +122,22 @@ def _documents(cfg: TrainConfig):
     return docs
 
 
+def _init_dir(cfg: TrainConfig) -> Path | None:
+    """``init_from``: a checkpoint directory, or a run directory holding ``checkpoint/``."""
+    if not cfg.init_from:
+        return None
+    p = Path(cfg.init_from)
+    p = p / "checkpoint" if (p / "checkpoint").is_dir() else p
+    if not (p / "config.json").exists() or not (p / "tokenizer.json").exists():
+        raise FileNotFoundError(f"--init-from {cfg.init_from}: no config.json and tokenizer.json there; point it at "
+                                f"a k3 checkpoint directory (RUN/checkpoint)")
+    return p
+
+
 def _tokenizer(cfg: TrainConfig, train_docs, run: Path, resume_from: Path | None):
-    if resume_from is not None:
-        tok = load_tokenizer(resume_from / "tokenizer.json")
+    source = resume_from or _init_dir(cfg)
+    if source is not None:
+        tok = load_tokenizer(source / "tokenizer.json")
         if not (run / "tokenizer.json").exists():
             save_tokenizer(tok, run / "tokenizer.json")
         return tok
@@ -132,8 +148,9 @@ def _tokenizer(cfg: TrainConfig, train_docs, run: Path, resume_from: Path | None
 
 
 def _model_config(cfg: TrainConfig, vocab: int) -> K3Config:
-    base = K3Config.from_hf(cfg.config) if cfg.config else K3Config.preset(cfg.preset)
-    return base.replace(vocab_size=vocab)
+    src = _init_dir(cfg) or cfg.config
+    base = K3Config.from_hf(src) if src else K3Config.preset(cfg.preset)
+    return base.replace(vocab_size=vocab, qat=cfg.qat)
 
 
 @torch.no_grad()
@@ -194,6 +211,8 @@ def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
     if resume_from is not None:
         model, state = load_checkpoint(resume_from, mcfg)
         model.to(device)
+    elif cfg.init_from:
+        model, state = load_pretrained(_init_dir(cfg), config=mcfg, dtype=torch.float32).to(device), None
     else:
         model, state = K3ForCausalLM(mcfg).to(device), None
     model.set_kda_backend(cfg.kda_backend)

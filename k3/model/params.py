@@ -80,13 +80,19 @@ def count_bytes(model) -> dict[str, int]:
 
 
 def memory_summary(model) -> str:
-    """One line: the bytes of the model's tensors, the routed experts' share and their bits per weight."""
-    by = count_bytes(model)
-    total, experts = sum(by.values()), by["routed_experts"]
+    """One line: the bytes of the model's tensors, the routed experts' share (MTP's included) and their bits per
+    weight."""
     named = list(itertools.chain(model.named_parameters(), model.named_buffers()))
-    packed = any(n.endswith(".weight_packed") for n, _ in named)
-    weights = sum(2 * t.numel() if n.endswith(".weight_packed") else t.numel() for n, t in named
-                  if ".experts." in n and not n.endswith(".weight_scale"))
-    bits = f", {8 * experts / weights:.2f} bits/weight" if weights else ""
-    return (f"model memory {total / 2**30:.3f} GiB: routed experts {experts / 2**30:.3f} GiB "
-            f"({'MXFP4 packed' if packed else 'unpacked'}{bits}), the rest {(total - experts) / 2**30:.3f} GiB")
+    total = sum(t.numel() * t.element_size() for _, t in named)
+    experts = [(n, t) for n, t in named if ".experts." in n]
+    held = sum(t.numel() * t.element_size() for _, t in experts)
+    weights = sum(2 * t.numel() if n.endswith(".weight_packed") else t.numel() for n, t in experts
+                  if not n.endswith(".weight_scale"))
+    packed = any(n.endswith(".weight_packed") for n, _ in experts)
+    bits = f", {8 * held / weights:.2f} bits/weight" if weights else ""
+    return (f"model memory {_size(total)}: routed experts {_size(held)} ({'MXFP4 packed' if packed else 'unpacked'}"
+            f"{bits}), the rest {_size(total - held)}")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"

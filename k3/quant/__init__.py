@@ -17,5 +17,5 @@ from .packed import PackedExpertBank, PackedWeight, pack_experts, packed_grouped
 
 __all__ = ["BLOCK", "E2M1", "E4M3", "quantize_mx", "dequantize_mx", "quantize_mxfp4", "dequantize_mxfp4",
            "quantize_mxfp8", "dequantize_mxfp8", "fake_quant_mxfp4", "fake_quant_mxfp8", "QUANTIZATION_CONFIG",
-           "pack_expert_state", "is_packed_state", "quantization_config", "PackedExpertBank", "PackedWeight", "pack_experts",
-           "packed_grouped_mm"]
+           "pack_expert_state", "is_packed_state", "quantization_config", "PackedExpertBank", "PackedWeight",
+           "pack_experts", "packed_grouped_mm"]

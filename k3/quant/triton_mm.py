@@ -6,7 +6,10 @@ Rows are sorted by expert (``counts`` rows each). The launch needs no host read:
 out on the device (``_tiles``), the grid holds their upper bound cdiv(M, BM) + E and surplus programs return at once.
 Decoding is exact integer/bit arithmetic: E2M1 2x value = m (exponent field 0) or (2 + m) << e >> 1, the E8M0 scale
 is the fp32 with exponent bits s (2^-127 for s = 0, NaN for s = 255). The pure-torch reference is
-``k3.quant.packed.packed_grouped_mm_reference``; ``TRITON_INTERPRET=1`` runs this kernel on CPU tensors.
+``k3.quant.packed.packed_grouped_mm_reference``; ``TRITON_INTERPRET=1`` runs this kernel on CPU tensors. The kernel
+calls only Triton builtins (tl.full, not tl.zeros; join + reshape, not tl.interleave): the library's own jitted
+helpers cannot run under the interpreter when triton was imported before TRITON_INTERPRET was set, as in a test
+session.
 
 Legend: M rows, K in features (a multiple of 32), N out features, E experts; BM/BN/BK tile sizes (BK a multiple
 of 32).
@@ -33,14 +36,15 @@ def _packed_grouped_mm_kernel(x_ptr, p_ptr, s_ptr, out_ptr, tile_expert_ptr, til
         rmask = rows < row1
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
         cmask = cols < N
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.full((BM, BN), 0.0, tl.float32)
         for k0 in range(0, K, BK):
             a = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + tl.arange(0, BK))[None, :], mask=rmask[:, None],
                         other=0.0)
             byte = (k0 // 2 + tl.arange(0, BK // 2))[None, :]
             pk = tl.load(p_ptr + e * stride_pe + cols[:, None] * stride_pn + byte, mask=cmask[:, None], other=0)
             pk = pk.to(tl.int32)
-            code = tl.interleave(pk & 0xF, pk >> 4)  # [BN, BK]: element 2i is the low nibble of byte i
+            # [BN, BK]: element 2i is the low nibble of byte i (join + reshape is tl.interleave's body)
+            code = tl.reshape(tl.join(pk & 0xF, pk >> 4), (BN, BK))
             ef, mf = (code >> 1) & 3, code & 1
             twice = tl.where(ef == 0, mf, ((2 + mf) << ef) >> 1)  # 2 x |value|, an integer in [0, 12]
             val = tl.where((code & 8) != 0, -twice, twice).to(tl.float32) * 0.5

@@ -27,25 +27,19 @@ def _data(seed):
     return x
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mxfp4_equals_torchao(seed, dtype):
-    x = _data(seed).to(dtype)
-    packed, scale = quantize_mxfp4(x)
-    ao_scale, ao_packed = mx.to_mx(x.contiguous(), torch.float4_e2m1fn_x2, BLOCK)
-    assert torch.equal(scale, ao_scale.view(torch.uint8))
-    assert torch.equal(packed, ao_packed.view(torch.uint8))
-    ao = mx.to_dtype(ao_packed, ao_scale, torch.float4_e2m1fn_x2, BLOCK, torch.float32)
-    assert torch.equal(dequantize_mxfp4(packed, scale, torch.float32), ao)
+FORMATS = {"mxfp4": (quantize_mxfp4, dequantize_mxfp4, torch.float4_e2m1fn_x2),  # torchao packs E2M1 as k3 does
+           "mxfp8": (quantize_mxfp8, dequantize_mxfp8, torch.float8_e4m3fn)}
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mxfp8_equals_torchao(seed, dtype):
+def test_codes_scales_and_values_equal_torchao(fmt, seed, dtype):
+    quantize, dequantize, elem = FORMATS[fmt]
     x = _data(seed).to(dtype)
-    codes, scale = quantize_mxfp8(x)
-    ao_scale, ao_data = mx.to_mx(x.contiguous(), torch.float8_e4m3fn, BLOCK)
+    codes, scale = quantize(x)
+    ao_scale, ao_codes = mx.to_mx(x.contiguous(), elem, BLOCK)
     assert torch.equal(scale, ao_scale.view(torch.uint8))
-    assert torch.equal(codes, ao_data.view(torch.uint8))
-    ao = mx.to_dtype(ao_data, ao_scale, torch.float8_e4m3fn, BLOCK, torch.float32)
-    assert torch.equal(dequantize_mxfp8(codes, scale, torch.float32), ao)
+    assert torch.equal(codes, ao_codes.view(torch.uint8))
+    ao = mx.to_dtype(ao_codes, ao_scale, elem, BLOCK, torch.float32)
+    assert torch.equal(dequantize(codes, scale, torch.float32), ao)

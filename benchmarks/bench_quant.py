@@ -16,7 +16,7 @@ memory of packed experts, and (on CUDA) the packed grouped matmul and decode aga
            whole expert block (packed bank vs bf16 bank); and decode tokens/s of the `small` model (random
            weights, bf16) through the engine, bf16 experts vs packed.
 
-    python benchmarks/bench_quant.py                       # quality + memory on CPU (~15 min on 2 cores)
+    python benchmarks/bench_quant.py                       # quality + memory on CPU (500 training steps)
     python benchmarks/bench_quant.py --sections gpu        # on a CUDA machine with triton
 """
 
@@ -202,15 +202,15 @@ def main():
     ap.add_argument("--sections", default="quality,memory", help="comma list of quality, memory, gpu")
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--run", default="runs/bench_quant", help="where the quality section's runs go")
-    ap.add_argument("--base-steps", type=int, default=400)
-    ap.add_argument("--ft-steps", type=int, default=150)
-    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--base-steps", type=int, default=300)
+    ap.add_argument("--ft-steps", type=int, default=100)
+    ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--ft-lr", type=float, default=1e-3)
     ap.add_argument("--vocab-size", type=int, default=2048)
-    ap.add_argument("--data-max-bytes", type=int, default=12_000_000)
-    ap.add_argument("--eval-batches", type=int, default=40)
+    ap.add_argument("--data-max-bytes", type=int, default=6_000_000)
+    ap.add_argument("--eval-batches", type=int, default=24)
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

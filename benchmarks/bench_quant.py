@@ -48,7 +48,16 @@ from k3.train.loop import TrainConfig, evaluate, train  # noqa: E402
 
 def quality(args, dev) -> dict:
     run = Path(args.run)
-    base = TrainConfig(out=str(run / "base"), preset=args.preset, data_max_bytes=args.data_max_bytes,
+    run.mkdir(parents=True, exist_ok=True)
+    cfg = K3Config.preset(args.preset)
+    if args.moe_intermediate_size or args.expert_width or args.num_shared_experts is not None:
+        cfg = cfg.replace(moe_intermediate_size=args.moe_intermediate_size or cfg.moe_intermediate_size,
+                          routed_expert_hidden_size=args.expert_width or cfg.routed_expert_hidden_size,
+                          num_shared_experts=cfg.num_shared_experts if args.num_shared_experts is None
+                          else args.num_shared_experts)
+    cfg.save(run / "config.json")
+    base = TrainConfig(out=str(run / "base"), preset=None, config=str(run / "config.json"),
+                       data_max_bytes=args.data_max_bytes,
                        tokenizer_bytes=3_000_000, vocab_size=args.vocab_size, steps=args.base_steps,
                        batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, eval_every=args.base_steps,
                        eval_batches=4, log_every=50, save_every=args.base_steps, device=str(dev))
@@ -85,7 +94,10 @@ def quality(args, dev) -> dict:
         "qat, master weights unquantised": val_loss(load_pretrained(ckpt("qat"), config=qat_off, dtype=torch.float32)),
     }
     ref = rows["control, unquantised"]
-    out = {"preset": args.preset, "base_steps": args.base_steps, "ft_steps": args.ft_steps,
+    expert_params = sum(p.numel() for n, p in load_pretrained(ckpt("base")).named_parameters() if ".experts." in n)
+    out = {"preset": args.preset, "model": {"moe_intermediate_size": cfg.moe_intermediate_size,
+                                            "expert_width": cfg.expert_dim, "num_shared_experts": cfg.num_shared_experts,
+                                            "routed_expert_params": expert_params}, "base_steps": args.base_steps, "ft_steps": args.ft_steps,
            "batch": f"{args.batch_size}x{args.seq_len}", "lr": args.lr, "ft_lr": args.ft_lr,
            "val_tokens": tokens, "train_s": round(train_s), "val_loss": rows,
            "qat_packed_vs_unquantised": rows["qat, exported and served packed"] / ref - 1,
@@ -202,6 +214,10 @@ def main():
     ap.add_argument("--sections", default="quality,memory", help="comma list of quality, memory, gpu")
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--run", default="runs/bench_quant", help="where the quality section's runs go")
+    ap.add_argument("--moe-intermediate-size", type=int, default=None, help="override the preset's expert width")
+    ap.add_argument("--expert-width", type=int, default=None, help="override the latent width the experts read")
+    ap.add_argument("--num-shared-experts", type=int, default=None, help="override (0: the routed experts carry "
+                    "the whole FFN, so their quantisation matters more)")
     ap.add_argument("--base-steps", type=int, default=300)
     ap.add_argument("--ft-steps", type=int, default=100)
     ap.add_argument("--batch-size", type=int, default=4)

@@ -62,20 +62,24 @@ def quality(args, dev) -> dict:
                        batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, eval_every=args.base_steps,
                        eval_batches=4, log_every=50, save_every=args.base_steps, device=str(dev))
     t0 = time.time()
-    train(base, log=print)
     ft = dict(init_from=str(run / "base" / "checkpoint"), steps=args.ft_steps, lr=args.ft_lr, eval_every=args.ft_steps,
               save_every=args.ft_steps)
-    train(dataclasses.replace(base, out=str(run / "control"), **ft), log=print)
-    train(dataclasses.replace(base, out=str(run / "qat"), qat="mxfp4", **ft), log=print)
+    for cfg_ in (base, dataclasses.replace(base, out=str(run / "control"), **ft),
+                 dataclasses.replace(base, out=str(run / "qat"), qat="mxfp4", **ft)):
+        if not (args.eval_only and (Path(cfg_.out) / "checkpoint").is_dir()):
+            train(cfg_, log=print)
     train_s = time.time() - t0
 
     tok = load_tokenizer(run / "base" / "checkpoint" / "tokenizer.json")
     _, val_docs = split_documents(stdlib_documents(args.data_max_bytes), base.val_fraction, base.seed)
     val = PackedDataset(encode_documents(tok, val_docs), args.seq_len, eos_id(tok), shuffle_seed=None)
-    tokens = min(args.eval_batches, len(val) // args.batch_size) * args.batch_size * args.seq_len
+    batches = [_OneBatch(b) for b, _ in zip(val.eval_batches(args.batch_size), range(args.eval_batches))]
+    tokens = len(batches) * args.batch_size * args.seq_len
 
     def val_loss(model):
-        return evaluate(model.to(dev), val, args.batch_size, args.eval_batches, dev, nullcontext())
+        """(mean loss, per-batch losses): the same batches pair the rows for the standard errors."""
+        per = [evaluate(model.to(dev), one, args.batch_size, 1, dev, nullcontext()) for one in batches]
+        return sum(per) / len(per), per
 
     def ckpt(name):
         return run / name / "checkpoint"
@@ -93,19 +97,35 @@ def quality(args, dev) -> dict:
                                                                     keep_packed=True)),
         "qat, master weights unquantised": val_loss(load_pretrained(ckpt("qat"), config=qat_off, dtype=torch.float32)),
     }
-    ref = rows["control, unquantised"]
+    per = {k: v[1] for k, v in rows.items()}
+    rows = {k: v[0] for k, v in rows.items()}
+
+    def paired(k):  # the relative loss against the control and its standard error over the paired batches
+        d = torch.tensor(per[k]) / torch.tensor(per["control, unquantised"]) - 1
+        return d.mean().item(), (d.std() / len(d) ** 0.5).item()
+
     expert_params = sum(p.numel() for n, p in load_pretrained(ckpt("base")).named_parameters() if ".experts." in n)
     out = {"preset": args.preset, "model": {"moe_intermediate_size": cfg.moe_intermediate_size,
                                             "expert_width": cfg.expert_dim, "num_shared_experts": cfg.num_shared_experts,
-                                            "routed_expert_params": expert_params}, "base_steps": args.base_steps, "ft_steps": args.ft_steps,
-           "batch": f"{args.batch_size}x{args.seq_len}", "lr": args.lr, "ft_lr": args.ft_lr,
-           "val_tokens": tokens, "train_s": round(train_s), "val_loss": rows,
-           "qat_packed_vs_unquantised": rows["qat, exported and served packed"] / ref - 1,
-           "ptq_packed_vs_unquantised": rows["control, PTQ served packed"] / ref - 1}
-    print("\n| model | validation loss | vs control unquantised |\n|---|---|---|")
+                                            "routed_expert_params": expert_params},
+           "base_steps": args.base_steps, "ft_steps": args.ft_steps, "batch": f"{args.batch_size}x{args.seq_len}",
+           "lr": args.lr, "ft_lr": args.ft_lr, "val_tokens": tokens, "train_s": round(train_s), "val_loss": rows,
+           "vs_control_paired": {k: paired(k) for k in rows}}
+    print("\n| model | validation loss | vs control unquantised (+- standard error over the batches) |\n|---|---|---|")
     for k, v in rows.items():
-        print(f"| {k} | {v:.4f} | {v / ref - 1:+.2%} |")
+        m, se = out["vs_control_paired"][k]
+        print(f"| {k} | {v:.4f} | {m:+.3%} +- {se:.3%} |")
     return out
+
+
+class _OneBatch:
+    """One fixed validation batch, as ``evaluate`` reads a dataset (``eval_batches``)."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def eval_batches(self, batch_size):
+        yield self.batch
 
 
 # ---------------------------------------------------------------- memory
@@ -226,7 +246,8 @@ def main():
     ap.add_argument("--ft-lr", type=float, default=1e-3)
     ap.add_argument("--vocab-size", type=int, default=2048)
     ap.add_argument("--data-max-bytes", type=int, default=6_000_000)
-    ap.add_argument("--eval-batches", type=int, default=24)
+    ap.add_argument("--eval-batches", type=int, default=64)
+    ap.add_argument("--eval-only", action="store_true", help="reuse the runs already in --run (no training)")
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -105,9 +105,9 @@ def quality(args, dev) -> dict:
         return d.mean().item(), (d.std() / len(d) ** 0.5).item()
 
     expert_params = sum(p.numel() for n, p in load_pretrained(ckpt("base")).named_parameters() if ".experts." in n)
-    out = {"preset": args.preset, "model": {"moe_intermediate_size": cfg.moe_intermediate_size,
-                                            "expert_width": cfg.expert_dim, "num_shared_experts": cfg.num_shared_experts,
-                                            "routed_expert_params": expert_params},
+    model = {"moe_intermediate_size": cfg.moe_intermediate_size, "expert_width": cfg.expert_dim,
+             "num_shared_experts": cfg.num_shared_experts, "routed_expert_params": expert_params}
+    out = {"preset": args.preset, "model": model,
            "base_steps": args.base_steps, "ft_steps": args.ft_steps, "batch": f"{args.batch_size}x{args.seq_len}",
            "lr": args.lr, "ft_lr": args.ft_lr, "val_tokens": tokens, "train_s": round(train_s), "val_loss": rows,
            "vs_control_paired": {k: paired(k) for k in rows}}

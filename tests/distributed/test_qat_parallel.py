@@ -1,5 +1,5 @@
-"""QAT (``qat="mxfp4"``) under data parallelism (FSDP2) and expert parallelism (MoonEP) against one process: 2 gloo
-ranks, the tiny model with its MTP layer, packed documents; the logged losses and every parameter gradient after
+"""QAT (``qat="mxfp4"``) under data parallelism (FSDP2), expert parallelism (MoonEP) and context parallelism (KCP)
+against one process: 2 gloo ranks, the tiny model with its MTP layer, packed documents; the logged losses and every parameter gradient after
 ``reduce_grads`` (gathered to full, experts in their true order) equal the single-process QAT ones on the same
 global batch (stated tolerance: RMS ratio 1e-5, as the unquantised checks). The fake quant sees the same weights
 (gathered by FSDP, or fetched by MoonEP: MXFP4 blocks lie along each expert row) and the same activation rows
@@ -33,7 +33,7 @@ def qat_reference(batch: dict, mtp_weight: float):
 def _check(rank, world):
     from k3.distributed.data_parallel import DataParallel
     from k3.distributed.expert_parallel import ExpertParallelBank
-    from k3.distributed.mesh import DataExpertParallelTraining
+    from k3.distributed.mesh import DataContextParallelTraining, DataExpertParallelTraining
 
     os.environ["WORLD_SIZE"] = str(world)  # init_from_env reads it; the process group is already up
     batch, w = global_batch(world), 0.3
@@ -59,8 +59,19 @@ def _check(rank, world):
     assert banks and all(b.qat == "mxfp4" for b in banks)
     compare_gradients(ep, m, batch, w, ref, ref_grads, rank, dp=1, ep=world, tag=" qat")
 
+    cp = DataContextParallelTraining(1, world)  # --cp 2: each rank one half of the sequence
+    m = copy.deepcopy(model)
+    cp.shard(m)
+    loss, lm, mtp, _ = cp.loss(m, batch, w, test_device(rank))
+    loss.backward()
+    cp.reduce_grads(m)
+    assert lm == pytest.approx(ref["lm_loss"].item(), rel=1e-6)
+    for n, p in m.named_parameters():
+        if p.grad is not None:
+            assert_close(f"cp rank {rank} grad {n}", ref_grads[n], full(p.grad), TOL)
+
 
 @pytest.mark.distributed
 @needs_backend(2)
-def test_qat_under_dp2_and_ep2_equals_one_process(tmp_path):
+def test_qat_under_dp2_ep2_and_cp2_equals_one_process(tmp_path):
     spawn(_check, 2, tmp_path)

@@ -1,9 +1,10 @@
 """QAT (``qat="mxfp4"``) under data parallelism (FSDP2), expert parallelism (MoonEP) and context parallelism (KCP)
-against one process: 2 gloo ranks, the tiny model with its MTP layer, packed documents; the logged losses and every parameter gradient after
-``reduce_grads`` (gathered to full, experts in their true order) equal the single-process QAT ones on the same
-global batch (stated tolerance: RMS ratio 1e-5, as the unquantised checks). The fake quant sees the same weights
-(gathered by FSDP, or fetched by MoonEP: MXFP4 blocks lie along each expert row) and the same activation rows
-(MXFP8 blocks lie along features), so splitting the batch or the experts changes nothing but summation order."""
+against one process: 2 gloo ranks, the tiny model with its MTP layer, packed documents; the logged losses and every
+parameter gradient after ``reduce_grads`` (gathered to full, experts in their true order) equal the single-process
+QAT ones on the same global batch (stated tolerance: RMS ratio 1e-5, as the unquantised checks). The fake quant sees
+the same weights (gathered by FSDP, or fetched by MoonEP: MXFP4 blocks lie along each expert row) and the same
+activation rows (MXFP8 blocks lie along features), so splitting the batch, the experts or the sequence changes
+nothing but summation order."""
 
 import copy
 import os

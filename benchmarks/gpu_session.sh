@@ -3,7 +3,7 @@
 # cannot eat the others. Results land in $OUT, packed at the end into $OUT/gpu_session.tgz (JSON + logs) and
 # $OUT/autotune.tgz (fla's Triton autotuning results: extract into .tcache/ and carry it next time to skip it).
 #   usage (device tool, carrying .whl with fla-core, and .tcache if you have one): bash benchmarks/gpu_session.sh [steps...]
-#   one GPU:  tests serve train decode cp kda packing packed   (default: tests serve train cp)
+#   one GPU:  tests serve train decode cp kda packing packed quant   (default: tests serve train cp)
 #   2+ GPUs:  nccl flacp kcp scale             (the distributed suite over NCCL, fla CP vs KCP, multi-GPU throughput)
 #   T_TESTS=300 etc. (T_<STEP>, upper case) override a step's limit in seconds.
 set -u
@@ -41,6 +41,8 @@ for s in $steps; do
     packing) timeout ${T_PACKING:-420} python3 benchmarks/bench_train.py --batch 4 --steps 20 --backends fla --docs corpus,uniform --profile 25 --json "$L/bench_train_docs.json" 2>&1 | tee "$L/bench_train_docs.log" ;;
     # packed documents: MLA's length groups and the unpadded short conv against padded rows, on the GPU
     packed) timeout ${T_PACKED:-300} python3 benchmarks/bench_packed.py --ops mla,conv --batches 3 --json "$L/bench_packed.json" 2>&1 | tee "$L/bench_packed.log" ;;
+    # MXFP4 experts: the packed-path GPU tests, then the packed grouped matmul and decode against bf16
+    quant)  timeout ${T_QUANT:-480} bash -c "python3 -m pytest -q -p no:cacheprovider -W ignore tests/gpu/test_quant.py tests/ops/test_mx.py && python3 benchmarks/bench_quant.py --sections gpu,memory --json $L/bench_quant.json" 2>&1 | tee "$L/bench_quant.log" ;;
     kda)    timeout ${T_KDA:-420} python3 benchmarks/bench_kda.py --json "$L/bench_kda.json" 2>&1 | tee "$L/bench_kda.log" ;;
     # the suite checks the distributed logic with the reference KDA kernels (no fla autotuning in every spawned
     # process: that alone outlasted the step's limit); fla's kernels under CP are the flacp step's
@@ -48,7 +50,7 @@ for s in $steps; do
     flacp)  timeout ${T_FLACP:-420} python3 -m pytest -q -s -p no:cacheprovider -W ignore tests/gpu/test_fla_cp.py 2>&1 | tee "$L/fla_cp_test.log" ;;
     kcp)    for r in 1 $NGPU; do timeout ${T_KCP:-300} $TR $r benchmarks/bench_kcp.py --json "$L/bench_kcp_r$r.json" 2>&1 | tee "$L/bench_kcp_r$r.log"; done ;;
     scale)  timeout ${T_SCALE:-540} python3 benchmarks/bench_scale.py --gpus $NGPU --json "$L/bench_scale.json" 2>&1 | tee "$L/bench_scale.log" ;;
-    *) echo "unknown step $s (tests serve train decode cp kda packing packed nccl flacp kcp scale)"; exit 2 ;;
+    *) echo "unknown step $s (tests serve train decode cp kda packing packed quant nccl flacp kcp scale)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/gpu_session.tgz" -C "$OUT" logs && rm -rf "$L"

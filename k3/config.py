@@ -77,6 +77,9 @@ class K3Config:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # quantisation-aware training (SPEC §6): "mxfp4" = routed experts run MXFP4 weights and MXFP8 inputs (fake-quant,
+    # straight-through gradients); written as "k3_qat" in config.json
+    qat: str | None = None
     # HF keys carried verbatim for a lossless round trip; top_level holds the multimodal wrapper (None = bare)
     extra: dict = field(default_factory=dict, compare=True, repr=False)
     top_level: dict | None = field(default=None, compare=True, repr=False)
@@ -228,6 +231,13 @@ def _validate(c: K3Config) -> None:
         need(c.num_expert_group == 1 and c.topk_group == 1, "num_expert_group",
              "grouped top-k (num_expert_group > 1) is not implemented; K3, K2 and Kimi Linear all use 1")
     need(c.num_nextn_predict_layers >= 0, "num_nextn_predict_layers", "must be >= 0")
+    need(c.qat in (None, "mxfp4"), "qat", f"must be None or 'mxfp4' (MXFP4 experts, MXFP8 inputs); got {c.qat!r}")
+    if c.qat is not None:
+        width = "routed_expert_hidden_size" if c.latent_moe else "hidden_size"
+        bad = {k: v for k, v in ((width, c.expert_dim),
+                                 ("moe_intermediate_size", c.moe_intermediate_size)) if v % 32}
+        need(not bad, "qat", f"MXFP4/MXFP8 blocks are 32 values along each expert matmul's input: {bad} must be "
+             "multiples of 32")
 
 
 # ---- presets ----------------------------------------------------------------------------------------

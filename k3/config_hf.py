@@ -225,7 +225,8 @@ def read_hf(src: dict, cls, strict: bool = True) -> dict:
     kw["attn_res"] = d.pop("k3_attn_res", "block" if block else "none")
     if block:
         kw["attn_res_block_size"] = block
-    names = set(kw) - {"full_attn_layers", "kda_layers", "gate", "gate_lower_bound", "attn_res"}
+    kw["qat"] = d.pop("k3_qat", None)  # our extension: the quantisation the model trains with (SPEC §6)
+    names = set(kw) - {"full_attn_layers", "kda_layers", "gate", "gate_lower_bound", "attn_res", "qat"}
     extra: dict[str, Any] = {}
     for k, v in d.items():
         if k in names:
@@ -289,7 +290,7 @@ def write_hf(c: "K3Config") -> dict:
     d: dict[str, Any] = {"model_type": KIMI_LINEAR, "architectures": ARCHITECTURES[KIMI_LINEAR]}
     skip = {"extra", "top_level", "full_attn_layers", "kda_layers", "kda_num_heads", "kda_head_dim",
             "short_conv_kernel_size", "gate", "gate_lower_bound", "use_full_rank_gate", "attn_res",
-            "attn_res_block_size"}
+            "attn_res_block_size", "qat"}
     for f in dataclasses.fields(c):
         if f.name not in skip:
             d[f.name] = getattr(c, f.name)
@@ -305,6 +306,8 @@ def write_hf(c: "K3Config") -> dict:
         d["attn_res_block_size"] = c.attn_res_block_size
     if c.attn_res == "full":
         d["k3_attn_res"] = "full"  # our extension; the official checkpoint uses blocks
+    if c.qat is not None:
+        d["k3_qat"] = c.qat  # our extension: the scheme the model trains (and runs unpacked) with
     if layout == KIMI_LINEAR:  # what transformers' KimiLinearConfig and mlx-lm's kimi_linear reader require
         d["model_max_length"] = d.pop("max_position_embeddings")
         d["linear_num_heads"], d["linear_head_dim"] = c.kda_num_heads, c.kda_head_dim
@@ -318,4 +321,9 @@ def write_hf(c: "K3Config") -> dict:
     if layout == KIMI_LINEAR and c.top_level is None:
         return d
     top = {"model_type": KIMI_K3, "architectures": ARCHITECTURES[KIMI_K3], **{t: d[t] for t in TOKEN_IDS}}
-    return {**top, **(c.top_level or {}), "text_config": d}
+    # quantization_config says how the tensors written are stored (save_pretrained puts it in ``extra`` when the
+    # experts are packed): at the top level of a nested config, where transformers and vLLM read it; one read
+    # from a release is never carried over from ``top_level``
+    qc = d.pop("quantization_config", None)
+    out = {**top, **{k: v for k, v in (c.top_level or {}).items() if k != "quantization_config"}, "text_config": d}
+    return out if qc is None else {**out, "quantization_config": qc}

@@ -2,8 +2,9 @@
 
 Our module tree differs from the checkpoint in these places, translated here and nowhere else:
 - routed experts are 3-D tensors ``experts.w{1,2,3}`` [E, out, in]; the checkpoint has ``experts.{e}.w{n}.weight``
-  (MXFP4 ``weight_packed`` + ``weight_scale`` in the release: dequantised on load), or DeepSeek-V3's
-  ``mlp.experts.{e}.{gate,up,down}_proj.weight`` for Kimi K2's architecture (``config.hf_layout``);
+  (MXFP4 ``weight_packed`` + ``weight_scale`` in the release: dequantised on load, or kept packed with
+  ``load_pretrained(..., keep_packed=True)``; written so by ``save_pretrained(..., quantization="mxfp4")``), or
+  DeepSeek-V3's ``mlp.experts.{e}.{gate,up,down}_proj.weight`` for Kimi K2's architecture (``config.hf_layout``);
 - MTP layers live in ``mtp.{i}``; the checkpoint puts them at ``model.layers.{num_hidden_layers + i}``;
 - ``A_log`` is [H]; Kimi Linear's layout stores [1, 1, H, 1];
 - the multimodal releases prefix text weights with ``language_model.`` (stripped; vision weights are skipped).

@@ -13,9 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from ..atomic import atomic_path, write_text_atomic
 from ..config import K3Config
+from ..ops.mx import dequantize_mxfp4
 from .errors import CheckpointError
 from .manifest import forget_checksums, record_checksums, verify_checksums
-from .mxfp4 import dequantize_mxfp4
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -45,10 +45,11 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], config: K3Config) -> dict[s
             name = f"model.layers.{L + int(m.group(1))}.{m.group(3)}"
         if deepseek is not None:  # DeepseekV3ForCausalLM: the MoE under mlp., experts as gate/up/down_proj
             name = name.replace(".block_sparse_moe.", ".mlp.")
-        if re.search(r"\.experts\.w[123]$", name):
-            base, w = name.rsplit(".", 1)
+        m = re.search(r"\.experts\.(w[123])(\.weight_packed|\.weight_scale)?$", name)
+        if m:  # a bank [E, ...] (packed MXFP4: two tensors) -> one tensor per expert
+            base, w, kind = name[:m.start()] + ".experts", m.group(1), m.group(2) or ".weight"
             for e in range(t.shape[0]):
-                out[f"{base}.{e}.{w}.weight" if deepseek is None else f"{base}.{e}.{deepseek[w]}_proj.weight"] = t[e]
+                out[f"{base}.{e}.{w}{kind}" if deepseek is None else f"{base}.{e}.{deepseek[w]}_proj{kind}"] = t[e]
             continue
         if name.endswith(".A_log"):
             t = t.reshape(a_log_shape)
@@ -103,8 +104,11 @@ def _gate_param(name: str, t: torch.Tensor, config: K3Config) -> torch.Tensor:
     return flat
 
 
-def from_hf_state_dict(hf: dict[str, torch.Tensor], config: K3Config, dtype=None) -> tuple[dict, list[str]]:
-    """HF tensors -> our state dict. Returns (state, names of the tensors the text model does not use)."""
+def from_hf_state_dict(hf: dict[str, torch.Tensor], config: K3Config, dtype=None,
+                       keep_packed: bool = False) -> tuple[dict, list[str]]:
+    """HF tensors -> our state dict. Returns (state, names of the tensors the text model does not use). MXFP4
+    experts are dequantised, or with ``keep_packed`` stacked as ``...experts.w{n}.weight_packed`` /
+    ``.weight_scale`` [E, ...]."""
     skipped = []
     if dtype is None:  # one dtype for the model: the embedding's (MXFP4 experts are dequantised to it)
         emb = hf.get("model.embed_tokens.weight", hf.get("language_model.model.embed_tokens.weight"))
@@ -137,7 +141,12 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], config: K3Config, dtype=None
         base, w, e = key.split("|")
         if set(parts) != {"weight_packed", "weight_scale"}:
             raise CheckpointError(f"{base}.{e}.{w}: MXFP4 needs weight_packed and weight_scale; found {sorted(parts)}")
-        experts.setdefault((base, w), {})[int(e)] = dequantize_mxfp4(parts["weight_packed"], parts["weight_scale"], dtype)
+        if keep_packed:
+            for kind, t in parts.items():
+                experts.setdefault((base, f"{w}.{kind}"), {})[int(e)] = t
+        else:
+            experts.setdefault((base, w), {})[int(e)] = dequantize_mxfp4(parts["weight_packed"], parts["weight_scale"],
+                                                                         dtype)
     for (base, w), per in experts.items():
         E = config.num_experts
         if sorted(per) != list(range(E)):
@@ -158,15 +167,24 @@ def _atomic_save(tensors: dict, path: Path, metadata: dict | None = None) -> Non
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
 
 
-def save_pretrained(model, directory: str | Path, max_shard_bytes: int = 5 * 2**30, state: dict | None = None) -> None:
+def save_pretrained(model, directory: str | Path, max_shard_bytes: int = 5 * 2**30, state: dict | None = None,
+                    quantization: str | None = None) -> None:
     """Write config.json and the weights in HF naming; shards + ``model.safetensors.index.json`` when the
     weights exceed ``max_shard_bytes``. Every file is written to a temp name and renamed into place, and their
     sha256 sums into ``SHA256SUMS`` last (see manifest.py).
-    ``state``: the full state dict to write instead of ``model.state_dict()`` (e.g. gathered from FSDP shards)."""
+    ``state``: the full state dict to write instead of ``model.state_dict()`` (e.g. gathered from FSDP shards).
+    ``quantization="mxfp4"``: routed experts in the release's packed layout (k3.quant.export) with its
+    ``quantization_config``; a model that already keeps its experts packed is written packed either way."""
+    from ..quant.export import is_packed_state, pack_expert_state, quantization_config
+
+    if quantization not in (None, "mxfp4"):
+        raise ValueError(f"save_pretrained(quantization=...) must be None or 'mxfp4'; got {quantization!r}")
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    state = model.state_dict() if state is None else state
-    hf = to_hf_state_dict({k: v.detach().cpu() for k, v in state.items()}, model.config)
+    state = {k: v.detach().cpu() for k, v in (model.state_dict() if state is None else state).items()}
+    if quantization == "mxfp4":
+        state = pack_expert_state(state)
+    hf = to_hf_state_dict(state, model.config)
     # tensors that share storage (the per-expert views of one 3-D tensor) must be saved as separate copies
     hf = {k: v.clone() if v.storage_offset() or not v.is_contiguous() else v for k, v in hf.items()}
     shards: list[dict] = [{}]
@@ -195,7 +213,12 @@ def save_pretrained(model, directory: str | Path, max_shard_bytes: int = 5 * 2**
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         write_text_atomic(d / INDEX, json.dumps(index, indent=2))
         (d / SINGLE).unlink(missing_ok=True)
-    c = model.config
+    # quantization_config describes the tensors written: there when the experts are packed, dropped when not (a
+    # release checkpoint loaded dequantised and saved again is plain bf16/fp32)
+    extra = {k: v for k, v in model.config.extra.items() if k != "quantization_config"}
+    if is_packed_state(state):
+        extra["quantization_config"] = quantization_config()
+    c = model.config.replace(extra=extra)
     write_text_atomic(d / CONFIG, json.dumps(c.to_hf(), indent=2) + "\n")
     written = names + [CONFIG]
     if c.eos_token_id is not None:  # where transformers' generate and mlx-lm read the ids that end generation
@@ -253,18 +276,23 @@ def _mismatch(config: K3Config, missing: list[str], unexpected: list[str]) -> st
 
 
 def load_pretrained(directory: str | Path, config: K3Config | None = None, dtype=None, device="cpu",
-                    strict: bool = True, verify: bool = True):
+                    strict: bool = True, verify: bool = True, keep_packed: bool = False):
     """Build a K3ForCausalLM from a checkpoint directory: k3's, the K3 release, or a Kimi Linear checkpoint
     written by transformers. Tensors the text model does not use (vision tower, projector) are skipped with a
     warning and listed in ``model.skipped_weights``. ``verify``: check the files read against the directory's
-    SHA256SUMS (when it has one) and name any that differ."""
+    SHA256SUMS (when it has one) and name any that differ. ``keep_packed``: serve the routed experts packed
+    (MXFP4, k3.quant.PackedExpertBank); float experts in the checkpoint are quantised on load (post-training
+    quantisation)."""
     from ..model.transformer import K3ForCausalLM
+    from ..quant import pack_expert_state, pack_experts
 
     if verify:
         verify_checksums(directory, [CONFIG])
     config = config or K3Config.from_hf(directory)
-    state, skipped = from_hf_state_dict(read_hf_tensors(directory, verify), config, dtype)
-    if "quantization_config" in config.extra:  # the experts were dequantised: the model in memory is not quantised
+    state, skipped = from_hf_state_dict(read_hf_tensors(directory, verify), config, dtype, keep_packed=keep_packed)
+    if keep_packed:
+        state = pack_expert_state(state)
+    if "quantization_config" in config.extra:  # the model in memory is described by its modules, not this
         config = config.replace(extra={k: v for k, v in config.extra.items() if k != "quantization_config"})
     if config.num_nextn_predict_layers and not any(k.startswith("mtp.") for k in state):
         # DeepSeek-V3's config declares an MTP layer that transformers neither builds nor saves
@@ -273,6 +301,8 @@ def load_pretrained(directory: str | Path, config: K3Config | None = None, dtype
         config = config.replace(num_nextn_predict_layers=0)
     with torch.device("meta"):
         model = K3ForCausalLM(config)
+    if keep_packed:
+        pack_experts(model, quantize=False)
     expected = model.state_dict()
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)

@@ -18,6 +18,12 @@ def add_arguments(p) -> None:
     add_sampling_arguments(p)
     add_device_argument(p)
     add_verify_argument(p)
+    add_packed_argument(p)
+
+
+def add_packed_argument(p) -> None:
+    p.add_argument("--packed-experts", action="store_true", help="keep the routed experts packed in memory (MXFP4, "
+                   "4.25 bits per weight; MXFP8 activations); a checkpoint with float experts is quantised on load")
 
 
 def add_sampling_arguments(p, max_tokens: int = 64) -> None:
@@ -42,11 +48,14 @@ def inference_dtype(device, name: str = "auto") -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
-def load_for_inference(path: str | Path, device, dtype: torch.dtype | None = None, verify: bool = True):
+def load_for_inference(path: str | Path, device, dtype: torch.dtype | None = None, verify: bool = True,
+                       packed_experts: bool = False):
     """(model, tokenizer) from a checkpoint directory or a run directory holding ``checkpoint/``: the model in
     ``dtype`` (default: ``inference_dtype(device)``); ``verify`` checks the files against the checkpoint's
-    SHA256SUMS (k3.checkpoint.manifest) first. The tokenizer is the Kimi release's (``tiktoken.model`` +
-    ``tokenizer_config.json``) when the directory has one, else k3's ``tokenizer.json``."""
+    SHA256SUMS (k3.checkpoint.manifest) first; ``packed_experts``: the routed experts stay MXFP4-packed
+    (k3.quant.PackedExpertBank; the dtype cast leaves their uint8 buffers alone). The tokenizer is the Kimi
+    release's (``tiktoken.model`` + ``tokenizer_config.json``) when the directory has one, else k3's
+    ``tokenizer.json``."""
     from ..checkpoint import load_pretrained
     from ..checkpoint.manifest import verify_checksums
     from ..data import load_tokenizer
@@ -64,7 +73,8 @@ def load_for_inference(path: str | Path, device, dtype: torch.dtype | None = Non
                                 "directory or a Kimi release directory")
     if verify:
         verify_checksums(p, ["tiktoken.model", "tokenizer_config.json"] if kimi else ["tokenizer.json"])
-    model = load_pretrained(p, dtype=torch.float32, verify=verify).to(device, dtype or inference_dtype(device)).eval()
+    model = load_pretrained(p, dtype=torch.float32, verify=verify, keep_packed=packed_experts)
+    model = model.to(device, dtype or inference_dtype(device)).eval()
     return model, load_tokenizer(p)
 
 
@@ -131,7 +141,8 @@ def run(args) -> int:
     from ..train.loop import resolve_device
 
     params = sampling_from_args(args)
-    model, tok = load_for_inference(args.checkpoint, resolve_device(args.device), verify=args.verify)
+    model, tok = load_for_inference(args.checkpoint, resolve_device(args.device), verify=args.verify,
+                                    packed_experts=args.packed_experts)
     engine = make_engine(model, tok, Path(args.checkpoint).name)
     engine.start()
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ..model.params import COMPONENTS, REPORTED, count_parameters
+from ..model.params import COMPONENTS, REPORTED, count_bytes, count_parameters
 from .common import add_model_arguments, config_from_args
 
 HELP = "count total and active parameters by component (no memory used: built on the meta device)"
@@ -13,6 +13,8 @@ HELP = "count total and active parameters by component (no memory used: built on
 def add_arguments(p) -> None:
     add_model_arguments(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--packed-experts", action="store_true", help="add the bytes by component with bf16 weights, "
+                   "unpacked and with the routed experts packed (MXFP4, as `k3 serve --packed-experts` holds them)")
 
 
 def _fmt(n: float) -> str:
@@ -22,9 +24,24 @@ def _fmt(n: float) -> str:
     return str(int(n))
 
 
+def weight_bytes(cfg) -> dict:
+    """{"bf16": bytes by component, "packed": the same with the routed experts packed}, on the meta device."""
+    import torch
+
+    from ..model.transformer import K3ForCausalLM
+    from ..quant import pack_experts
+
+    with torch.device("meta"):
+        model = K3ForCausalLM(cfg).to(torch.bfloat16)
+    bf16 = count_bytes(model)
+    return {"bf16": bf16, "packed": count_bytes(pack_experts(model, quantize=False))}
+
+
 def run(args) -> int:
     cfg = config_from_args(args)
     r = count_parameters(cfg)
+    if args.packed_experts:
+        r["bytes"] = weight_bytes(cfg)
     emb = r["by_component"]["embedding"]["total"]
     r["active_with_embedding"] = r["active"] + (0 if cfg.tie_word_embeddings else emb)
     reported = REPORTED.get(args.preset) if args.preset else None
@@ -36,12 +53,19 @@ def run(args) -> int:
     name = args.preset or args.config
     print(f"{name}: {cfg.num_hidden_layers} layers ({len(cfg.kda_layers)} KDA, {len(cfg.full_attn_layers)} MLA), "
           f"hidden {cfg.hidden_size}, {cfg.num_experts} experts top-{cfg.num_experts_per_token}")
-    print(f"{'component':<16}{'total':>20}{'active':>20}")
+    b = r.get("bytes")
+    mem = f"{'bf16 GiB':>12}{'packed GiB':>12}" if b else ""
+    print(f"{'component':<16}{'total':>20}{'active':>20}{mem}")
     for c in COMPONENTS:
         v = r["by_component"][c]
         if v["total"]:
-            print(f"{c:<16}{v['total']:>20,}{v['active']:>20,}")
-    print(f"{'TOTAL':<16}{r['total']:>20,}{r['active']:>20,}")
+            mem = f"{b['bf16'][c] / 2**30:>12.4g}{b['packed'][c] / 2**30:>12.4g}" if b else ""
+            print(f"{c:<16}{v['total']:>20,}{v['active']:>20,}{mem}")
+    mem = f"{sum(b['bf16'].values()) / 2**30:>12.4g}{sum(b['packed'].values()) / 2**30:>12.4g}" if b else ""
+    print(f"{'TOTAL':<16}{r['total']:>20,}{r['active']:>20,}{mem}")
+    if b:
+        ratio = b["packed"]["routed_experts"] / b["bf16"]["routed_experts"]
+        print(f"routed experts packed (MXFP4: 4 bits + one E8M0 scale per 32 weights): {ratio:.4f}x their bf16 bytes")
     print(f"total {_fmt(r['total'])}, active {_fmt(r['active'])} (head counted, input embedding not; MTP excluded); "
           f"active incl. input embedding {_fmt(r['active_with_embedding'])}")
     if reported:

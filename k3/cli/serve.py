@@ -9,6 +9,7 @@ import torch
 
 from ..config import PRESETS
 from .common import add_verify_argument, int_at_least, int_in, number
+from .generate import add_packed_argument
 
 HELP = "serve a checkpoint over an OpenAI-compatible HTTP API (localhost by default)"
 
@@ -53,6 +54,7 @@ def add_arguments(p) -> None:
                         "pool while short requests wait")
     s.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (no graphs, no compile)")
     add_verify_argument(p)
+    add_packed_argument(p)
 
 
 def _random_model(preset: str, device, dtype):
@@ -78,6 +80,8 @@ def pool_pages(model, page_tokens: int, device, fraction: float, dtype) -> int:
 
 def run(args) -> int:
     from ..inference.engine import Engine, EngineConfig
+    from ..model.params import memory_summary
+    from ..quant import pack_experts
     from ..serve import run_server
     from ..train.loop import resolve_device
     from .generate import inference_dtype, load_for_inference
@@ -85,12 +89,15 @@ def run(args) -> int:
     device = resolve_device(args.device)
     dtype = inference_dtype(device, args.dtype)
     if args.checkpoint:
-        model, tok = load_for_inference(args.checkpoint, device, dtype, verify=args.verify)
+        model, tok = load_for_inference(args.checkpoint, device, dtype, verify=args.verify,
+                                        packed_experts=args.packed_experts)
         name = args.model_name or Path(args.checkpoint).resolve().name
     else:
         if not args.random_init:
             raise ValueError("--preset serves random weights only with --random-init (use --checkpoint for a trained model)")
         model, tok = _random_model(args.preset, device, dtype)
+        if args.packed_experts:
+            pack_experts(model)
         name = args.model_name or args.preset
     pages = args.num_pages or pool_pages(model, args.page_tokens, device, args.memory_fraction, dtype)
     graphs = False if args.no_cuda_graphs else None
@@ -99,8 +106,8 @@ def run(args) -> int:
         checkpoint_every=args.checkpoint_every, host_pages=args.host_pages, max_batch=args.max_batch,
         step_tokens=args.step_tokens, prefill_chunk=args.prefill_chunk, long_prompt=args.long_prompt,
         cuda_graphs=graphs, compile=graphs), model_name=name)
-    print(f"k3 serve: {name} on {device} ({dtype}); page pool {pages} pages x {engine.layout.page_bytes / 2**20:.1f} "
-          f"MiB, longest request {engine.max_context:,} tokens; CUDA graphs {'on' if engine.runner.use_graphs else 'off'}",
-          file=sys.stderr, flush=True)
+    print(f"k3 serve: {name} on {device} ({dtype}), {memory_summary(model)}; page pool {pages} pages x "
+          f"{engine.layout.page_bytes / 2**20:.1f} MiB, longest request {engine.max_context:,} tokens; CUDA graphs "
+          f"{'on' if engine.runner.use_graphs else 'off'}", file=sys.stderr, flush=True)
     run_server(engine, host=args.host, port=args.port)
     return 0

@@ -49,6 +49,10 @@ def add_train_arguments(p, defaults: TrainConfig) -> None:
                    "split along time; composes with --dp and --ep")
     p.add_argument("--ep", type=positive_int, default=d.ep, help="expert-parallel ranks (MoonEP): routed experts "
                    "split over them, each rank its own slice of the batch; composes with --dp and --cp")
+    p.add_argument("--qat", choices=["mxfp4"], default=d.qat, help="quantisation-aware training: routed experts "
+                   "with MXFP4 weights and MXFP8 inputs (fake-quant), recorded in the checkpoint's config.json")
+    p.add_argument("--init-from", default=d.init_from, metavar="CHECKPOINT", help="start from this checkpoint's "
+                   "weights and tokenizer (fine-tuning; e.g. with --qat)")
     p.add_argument("--stop-after", type=positive_int, default=d.stop_after, metavar="STEP",
                    help="stop after this step with a checkpoint; run the same command again to resume")
     add_verify_argument(p)
@@ -62,7 +66,8 @@ def config_from_args(args, base: TrainConfig) -> TrainConfig:
         doc_chars=args.doc_chars, balance=args.balance, mtp_weight=args.mtp_weight, qk_clip_tau=args.qk_clip or None,
         eval_every=args.eval_every, log_every=args.log_every, save_every=args.save_every, seed=args.seed,
         device=args.device, kda_backend=args.kda_backend, activation_checkpointing=args.activation_checkpointing,
-        stop_after=args.stop_after, dp=args.dp, cp=args.cp, ep=args.ep, verify=args.verify)
+        stop_after=args.stop_after, dp=args.dp, cp=args.cp, ep=args.ep, verify=args.verify, qat=args.qat,
+        init_from=args.init_from)
 
 
 def add_arguments(p) -> None:

@@ -16,7 +16,9 @@ One forward on rank r (its N local tokens, k slots each):
      of that expert, only the (expert, host) pairs of the plan (skipped when the plan has no replica);
   6. dispatch all-to-all of the latent rows z: every rank receives exactly sum(loads)/R rows (= S*k when every
      rank has S tokens): a static shape;
-  7. grouped matmul per plan entry (SiTU-GLU expert), then the reverse all-to-all sends results home;
+  7. grouped matmul per plan entry (SiTU-GLU expert, fake-quantised as ExpertBank's under QAT: MXFP4 blocks lie
+     along each expert row, so quantising a fetched replica equals quantising the owner's), then the reverse
+     all-to-all sends results home;
   8. combine as ExpertBank does: rows * routing weights, index_add into their tokens (fp32).
 Backward: every all-to-all's backward is the reverse all-to-all, so row gradients return to their tokens (and on
 to z, the router through the combine weights, the projections) and a replica's weight gradients return to the
@@ -41,9 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..layers.width.latent_moe import ExpertBank, LatentMoE
-from ..ops.grouped_mm import grouped_mm
-from ..ops.situ import glu
+from ..layers.width.latent_moe import ExpertBank, LatentMoE, expert_glu
 from .moonep import PlanArrays, plan_arrays
 
 __all__ = ["parallelize_moe", "shard_experts_over_dp", "unpermute_experts", "ExpertParallelBank", "dispatch_layout",
@@ -205,7 +205,7 @@ class ExpertParallelBank(nn.Module):
                              f"size R={R} (each rank owns E/R contiguous experts); choose R dividing E")
         m = E // R
         self.w1, self.w3, self.w2 = (_shard(w, r * m, (r + 1) * m) for w in (bank.w1, bank.w3, bank.w2))
-        self.act, self.b1, self.b2 = bank.act, bank.b1, bank.b2
+        self.act, self.b1, self.b2, self.qat = bank.act, bank.b1, bank.b2, bank.qat
         self.num_experts, self.rank, self.world_size, self.group = E, r, R, group
         self.dp_group = None  # set by shard_experts_over_dp: w1/w3/w2 then hold 1/D of the shard each (DTensors),
         # D the size of that column group (dp x cp ranks)
@@ -263,9 +263,8 @@ class ExpertParallelBank(nn.Module):
         """rows [T,L] in arrival order, entry [T] -> the experts' outputs [T,L] in arrival order."""
         group_order = entry.argsort(stable=True)  # by entry (= expert), then source rank, then position
         counts = counts_M[:w1.shape[0]].to(rows.device)
-        x = rows[group_order]
-        h = glu(grouped_mm(x, w1, counts), grouped_mm(x, w3, counts), self.act, self.b1, self.b2)
-        return grouped_mm(h, w2, counts)[group_order.argsort()]
+        out = expert_glu(rows[group_order], counts, w1, w3, w2, self.act, self.b1, self.b2, self.qat)
+        return out[group_order.argsort()]
 
 
 def parallelize_moe(moe: LatentMoE, group=None) -> None:

@@ -1,10 +1,13 @@
-"""Parameter accounting: total and active parameters by component, built on the meta device (no memory).
+"""Parameter accounting: total and active parameters by component, built on the meta device (no memory), and the
+bytes a model's tensors hold by component (with routed experts packed, SPEC §6: 4.25 bits per weight).
 
 Active = what one token touches: everything except the input embedding, the routed experts it was not
 sent to (only k of E count), MTP layers and the vision tower (SPEC §1's convention).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -63,3 +66,33 @@ def count_parameters(config: K3Config) -> dict:
     total = sum(v["total"] for v in by.values())
     active = sum(v["active"] for v in by.values())
     return {"total": total, "active": active, "by_component": by}
+
+
+def count_bytes(model) -> dict[str, int]:
+    """Bytes of every parameter and buffer of ``model`` by component, in the dtypes it holds (meta tensors count
+    too): packed experts count their uint8 codes and scales."""
+    config = model.config
+    kinds = {i: config.layer_kind(i) for i in range(config.num_hidden_layers)}
+    by = dict.fromkeys(COMPONENTS, 0)
+    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+        by[component(name, kinds)] += t.numel() * t.element_size()
+    return by
+
+
+def memory_summary(model) -> str:
+    """One line: the bytes of the model's tensors, the routed experts' share (MTP's included) and their bits per
+    weight."""
+    named = list(itertools.chain(model.named_parameters(), model.named_buffers()))
+    total = sum(t.numel() * t.element_size() for _, t in named)
+    experts = [(n, t) for n, t in named if ".experts." in n]
+    held = sum(t.numel() * t.element_size() for _, t in experts)
+    weights = sum(2 * t.numel() if n.endswith(".weight_packed") else t.numel() for n, t in experts
+                  if not n.endswith(".weight_scale"))
+    packed = any(n.endswith(".weight_packed") for n, _ in experts)
+    bits = f", {8 * held / weights:.2f} bits/weight" if weights else ""
+    return (f"model memory {_size(total)}: routed experts {_size(held)} ({'MXFP4 packed' if packed else 'unpacked'}"
+            f"{bits}), the rest {_size(total - held)}")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"

@@ -40,9 +40,22 @@ def split(cfg, docs):
     return train_docs, val_docs
 
 
+def init_dir(cfg) -> Path | None:
+    """``init_from``: a checkpoint directory, or a run directory holding ``checkpoint/``."""
+    if not cfg.init_from:
+        return None
+    p = Path(cfg.init_from)
+    p = p / "checkpoint" if (p / "checkpoint").is_dir() else p
+    if not (p / "config.json").exists() or not (p / "tokenizer.json").exists():
+        raise FileNotFoundError(f"--init-from {cfg.init_from}: no config.json and tokenizer.json there; point it at "
+                                f"a k3 checkpoint directory (RUN/checkpoint)")
+    return p
+
+
 def _tokenizer(cfg, train_docs, run: Path, resume_from: Path | None):
-    if resume_from is not None:
-        tok = load_tokenizer(resume_from / "tokenizer.json")
+    source = resume_from or init_dir(cfg)  # resuming, or fine-tuning a checkpoint: its tokenizer
+    if source is not None:
+        tok = load_tokenizer(source / "tokenizer.json")
         if not (run / "tokenizer.json").exists():
             save_tokenizer(tok, run / "tokenizer.json")
         return tok

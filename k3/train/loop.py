@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint import load_pretrained
 from ..config import K3Config
 from ..data import PackedDataset
 from ..model.transformer import K3ForCausalLM
@@ -73,6 +74,8 @@ class TrainConfig:
     cp: int = 1  # context-parallel ranks: every sequence is split along time over them (KCP + gathered MLA)
     ep: int = 1  # expert-parallel ranks: routed experts sharded, MoonEP-balanced all-to-all dispatch
     verify: bool = True  # check the checkpoint's SHA256SUMS before resuming from it
+    qat: str | None = None  # "mxfp4": quantisation-aware training of the routed experts (SPEC §6)
+    init_from: str | None = None  # start from this checkpoint's weights and tokenizer (fine-tuning, e.g. QAT)
 
     def __post_init__(self):
         def need(ok: bool, name: str, what: str) -> None:
@@ -160,8 +163,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def _model_config(cfg: TrainConfig, vocab: int) -> K3Config:
-    base = K3Config.from_hf(cfg.config) if cfg.config else K3Config.preset(cfg.preset)
-    return base.replace(vocab_size=vocab)
+    src = run_data.init_dir(cfg) or cfg.config
+    base = K3Config.from_hf(src) if src else K3Config.preset(cfg.preset)
+    return base.replace(vocab_size=vocab, qat=cfg.qat)
 
 
 @torch.no_grad()
@@ -227,6 +231,8 @@ def _train(cfg: TrainConfig, log, parallel, stop: StopRequest) -> dict:
     if resume_from is not None:
         model, state = load_checkpoint(resume_from, mcfg, verify=False)  # verified by check_resumable
         model.to(device)
+    elif cfg.init_from:
+        model, state = load_pretrained(run_data.init_dir(cfg), config=mcfg, dtype=torch.float32).to(device), None
     else:
         model, state = K3ForCausalLM(mcfg).to(device), None
     model.set_kda_backend(cfg.kda_backend)

@@ -7,7 +7,7 @@ from safetensors.torch import load_file, save_file
 from k3 import K3Config, K3ForCausalLM
 from k3.checkpoint import CheckpointError, load_pretrained, save_pretrained
 from k3.checkpoint.io import read_hf_tensors
-from k3.checkpoint.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from k3.quant import dequantize_mxfp4, quantize_mxfp4
 
 
 @pytest.fixture

@@ -3,6 +3,8 @@ full-width shared experts.
 
 Legend: N tokens, D hidden, L latent width (= D for a plain MoE), I expert intermediate, E experts, k top-k,
 M = N*k routed rows. y = shared(x) + W_up RMSNorm(sum_j p_j E_j(W_down x)).
+With ``config.qat = "mxfp4"`` (SPEC §6) each expert's weights are MXFP4 and its matmul inputs MXFP8 in the forward
+(fake-quantised, straight-through gradients): the bf16/fp32 weights stay the optimiser's masters.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import nn
 from ...config import K3Config
 from ...ops.grouped_mm import grouped_mm
 from ...ops.moe_decode import decode_applies, expert_decode
+from ...ops.mx import fake_quant_mxfp4, fake_quant_mxfp8
 from ...ops.routing import bincount
 from ...ops.situ import glu
 from ..fuse import fuse_linears, use_fused
@@ -42,20 +45,40 @@ class ExpertBank(nn.Module):
             nn.init.uniform_(w, -1 / math.sqrt(w.shape[-1]), 1 / math.sqrt(w.shape[-1]))
         self.act = config.hidden_act
         self.b1, self.b2 = config.activation_situ_beta, config.activation_situ_linear_beta
+        self.qat = config.qat
 
     def forward(self, z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """z [N,L], weights/idx [N,k] -> sum_j w_j E_j(z) [N,L] in fp32."""
-        if decode_applies(z, idx):  # a few tokens on CUDA, no gradient: two fused kernels (k3.ops.moe_decode)
+        if self.qat is None and decode_applies(z, idx):  # a few tokens on CUDA, no gradient: two fused kernels
             return expert_decode(z, weights, idx, self.w1, self.w3, self.w2, self.act, self.b1, self.b2)
-        N, k = idx.shape
-        flat = idx.reshape(-1)
-        order = flat.argsort(stable=True)  # rows grouped by expert
-        counts = bincount(flat, self.w1.shape[0])
-        token = order // k
-        zs = z[token]  # [M,L]
-        h = glu(grouped_mm(zs, self.w1, counts), grouped_mm(zs, self.w3, counts), self.act, self.b1, self.b2)
-        out = grouped_mm(h, self.w2, counts).float() * weights.reshape(-1)[order, None]
-        return torch.zeros(N, z.shape[-1], dtype=torch.float32, device=z.device).index_add_(0, token, out)
+        return route_to_experts(z, weights, idx, self.w1.shape[0], self.compute)
+
+    def compute(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [M,L] sorted by expert, counts [E] -> [M,L]."""
+        return expert_glu(x, counts, self.w1, self.w3, self.w2, self.act, self.b1, self.b2, self.qat)
+
+
+def route_to_experts(z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, num_experts: int, experts):
+    """z [N,L], weights/idx [N,k] -> sum_j w_j E_j(z) [N,L] fp32; ``experts(x [M,L] sorted by expert, counts [E])``
+    computes every routed row (a bank's ``compute``)."""
+    N, k = idx.shape
+    flat = idx.reshape(-1)
+    order = flat.argsort(stable=True)  # rows grouped by expert
+    counts = bincount(flat, num_experts)
+    token = order // k
+    out = experts(z[token], counts).float() * weights.reshape(-1)[order, None]
+    return torch.zeros(N, z.shape[-1], dtype=torch.float32, device=z.device).index_add_(0, token, out)
+
+
+def expert_glu(x, counts, w1, w3, w2, act: str, b1: float, b2: float, qat: str | None = None) -> torch.Tensor:
+    """x [M,L] sorted by expert, counts [E], w1/w3 [E,I,L], w2 [E,L,I] -> each row's SiTU-GLU expert [M,L].
+    ``qat="mxfp4"``: MXFP4 weights and MXFP8 matmul inputs, fake-quantised (SPEC §6)."""
+    if qat is not None:
+        w1, w3, w2, x = fake_quant_mxfp4(w1), fake_quant_mxfp4(w3), fake_quant_mxfp4(w2), fake_quant_mxfp8(x)
+    h = glu(grouped_mm(x, w1, counts), grouped_mm(x, w3, counts), act, b1, b2)
+    if qat is not None:
+        h = fake_quant_mxfp8(h)
+    return grouped_mm(h, w2, counts)
 
 
 class LatentMoE(nn.Module):

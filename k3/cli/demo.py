@@ -9,9 +9,9 @@ from __future__ import annotations
 
 
 
-from ..train.loop import TrainConfig, train
+from ..train.loop import TrainConfig
 from .common import add_model_arguments
-from .train import add_train_arguments, config_from_args
+from .train import add_train_arguments, config_from_args, run_training
 
 HELP = "train the tiny K3 on the embedded standard-library corpus for a few minutes, plot, and sample"
 
@@ -33,7 +33,9 @@ def run(args) -> int:
     cfg = config_from_args(args, DEMO)
     print(f"k3 demo: training the {cfg.preset or cfg.config} K3 for {cfg.steps} steps "
           f"({cfg.batch_size} x {cfg.seq_len} tokens each) on the Python standard library; output in {cfg.out}")
-    result = train(cfg, log=print)
+    result, rank = run_training(cfg)
+    if rank != 0:
+        return 0
     h = result["unigram_entropy"]
     vals = _val_curve(cfg.out)
     print("validation loss by step: " + ", ".join(f"{s}: {v:.3f}" for s, v in vals))

@@ -60,29 +60,20 @@ def add_arguments(p) -> None:
     add_train_arguments(p, TrainConfig(out=None))
 
 
-def run(args) -> int:
-    from ..distributed.context_parallel import ContextParallelTraining
-    from ..distributed.data_parallel import DataParallel
+def run_training(cfg: TrainConfig, log=print) -> tuple[dict, int]:
+    """``train(cfg)`` under the plan its --dp/--ep/--cp describe (one process when all are 1) -> (result, rank)."""
+    from ..distributed.plan import ParallelDims, ParallelPlan
 
-    cfg = config_from_args(args, TrainConfig(out=args.out))
-    if cfg.ep > 1:  # the ("dp", "ep"[, "cp"]) mesh; --ep R alone is dp = 1 (every rank its own slice of the batch)
-        from ..distributed.mesh import DataExpertParallelTraining
-
-        par = DataExpertParallelTraining(cfg.dp, cfg.ep, cp=cfg.cp, device=cfg.device)
-    elif cfg.cp > 1 and cfg.dp > 1:
-        from ..distributed.mesh import DataContextParallelTraining
-
-        par = DataContextParallelTraining(cfg.dp, cfg.cp, device=cfg.device)
-    elif cfg.cp > 1:
-        par = ContextParallelTraining.from_env(device=cfg.device)
-    else:
-        par = DataParallel.from_env(device=cfg.device) if cfg.dp > 1 or DataParallel.launched() else None
+    plan = ParallelPlan(ParallelDims(cfg.dp, cfg.ep, cfg.cp), device=cfg.device)
     try:
-        result = train(cfg, parallel=par)
+        return train(cfg, plan, log=log), plan.rank
     finally:
-        if par is not None:
-            par.close()
-    if par is not None and par.rank != 0:
+        plan.close()
+
+
+def run(args) -> int:
+    result, rank = run_training(config_from_args(args, TrainConfig(out=args.out)))
+    if rank != 0:
         return 0
     last = result["last"]
     print(f"done: step {result['step']}, loss {last.get('loss', float('nan')):.4f}"

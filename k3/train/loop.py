@@ -23,6 +23,7 @@ from ..model.transformer import K3ForCausalLM
 from .balance import ExpertBalancer
 from .metrics import MetricsLog, Progress
 from .optim import build_optimizer
+from .plan import TrainingPlan
 from .qk_clip import enable_max_logit_tracking, qk_clip_
 from .schedule import build_scheduler
 from .state import find_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
@@ -65,41 +66,6 @@ class TrainConfig:
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
-
-
-class SingleProcess:
-    """The parallel context of a one-process run (k3.distributed.data_parallel.DataParallel for several)."""
-
-    rank, world = 0, 1
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def shard(self, model) -> None:
-        pass
-
-    def mean(self, x: float) -> float:
-        return x
-
-    def sync_max_logits(self, model) -> None:
-        pass
-
-    def full_state(self, model) -> dict:
-        return model.state_dict()
-
-    def barrier(self) -> None:
-        pass
-
-    def loss(self, model, batch: dict, mtp_weight: float, device):
-        """-> (loss to backpropagate, lm loss, mtp loss or None, tokens this step over all ranks). The lm and mtp
-        losses may be 0-d tensors (read after the backward: no wait for the GPU between forward and backward)."""
-        ids, cu = batch["input_ids"].to(device), batch["cu_seqlens"].to(device)
-        out = model(ids, cu_seqlens=cu, labels=ids, mtp_weight=mtp_weight, return_logits=False)
-        mtp = out["mtp_loss"].detach() if "mtp_loss" in out else None
-        return out["loss"], out["lm_loss"].detach(), mtp, ids.numel()
-
-    def reduce_grads(self, model) -> None:
-        pass
 
 
 def _quiet(*args, **kwargs) -> None:
@@ -154,18 +120,18 @@ def evaluate(model, dataset: PackedDataset, batch_size: int, max_batches: int, d
     return total / max(n, 1)
 
 
-def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
-    """Run (or resume) training. ``parallel``: a k3.distributed DataParallel under torchrun, else one process."""
+def train(cfg: TrainConfig, plan: TrainingPlan, log=print) -> dict:
+    """Run (or resume) training under ``plan``, the run's layout over processes (one process:
+    ``k3.distributed.plan.ParallelPlan(ParallelDims(), cfg.device)``)."""
     run = Path(cfg.out)
-    par = parallel or SingleProcess(resolve_device(cfg.device))
-    rank, world = par.rank, par.world
+    rank, world = plan.rank, plan.world
     if world != cfg.dp * cfg.cp * cfg.ep:
         raise ValueError(f"--dp {cfg.dp} x --cp {cfg.cp} x --ep {cfg.ep} ranks but {world} process(es) are running: "
                          f"start them under `torchrun --nproc_per_node N -m k3 train ...` with N = dp x cp x ep")
     if rank == 0:
         run.mkdir(parents=True, exist_ok=True)
-    par.barrier()
-    device = par.device
+    plan.barrier()
+    device = plan.device
     if rank != 0:
         log = _quiet
     resume_from = find_checkpoint(run)
@@ -180,7 +146,7 @@ def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
     docs = _documents(cfg)
     train_docs, val_docs = split_documents(docs, cfg.val_fraction, cfg.seed)
     tok = _tokenizer(cfg, train_docs, run, resume_from) if rank == 0 else None
-    par.barrier()
+    plan.barrier()
     if tok is None:  # the other ranks read the tokenizer rank 0 trained (or the checkpoint's)
         tok = load_tokenizer((resume_from or run) / "tokenizer.json")
     eos = eos_id(tok)
@@ -199,7 +165,7 @@ def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
     model.set_kda_backend(cfg.kda_backend)
     model.model.gradient_checkpointing = cfg.activation_checkpointing
     model.train()
-    par.shard(model)  # FSDP2 under data parallelism: parameters, gradients and optimiser state sharded
+    plan.shard(model)  # several processes: experts split, the rest FSDP2-sharded (k3.distributed.plan)
     optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = build_scheduler(optimizer, cfg.steps, cfg.warmup_frac, cfg.min_lr_ratio)
     balancer = ExpertBalancer(model, method=cfg.balance) if cfg.balance != "none" and mcfg.num_experts else None
@@ -226,7 +192,7 @@ def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
                                                        "train_sequences": len(train_set), "val_sequences": len(val_set),
                                                        "train_config": cfg.to_json()}, indent=2) + "\n")
 
-    batches = train_set.batches(cfg.batch_size * cfg.dp * cfg.ep)  # the global batch; the parallel context splits it
+    batches = train_set.batches(cfg.batch_size * plan.batch_slices)  # the global batch; the plan splits it
     progress = Progress(cfg.steps) if rank == 0 else None
     last = {}
     t_last, tok_last = time.time(), tokens
@@ -235,14 +201,14 @@ def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
         loss_sum, mtp_sum = 0.0, 0.0
         for _ in range(cfg.grad_accum):
             with amp:
-                loss, lm, mtp, n = par.loss(model, next(batches), cfg.mtp_weight, device)
+                loss, lm, mtp, n = plan.loss(model, next(batches), cfg.mtp_weight)
             (loss / cfg.grad_accum).backward()
             loss_sum += lm / cfg.grad_accum
             mtp_sum += (mtp if mtp is not None else 0.0) / cfg.grad_accum
             if balancer is not None:
                 balancer.observe()
             tokens += n
-        par.reduce_grads(model)
+        plan.reduce_grads(model)
         loss_sum, mtp_sum = float(loss_sum), float(mtp_sum)  # one read of the device per step
         if not math.isfinite(loss_sum):
             raise FloatingPointError(f"loss became {loss_sum} at step {step}; lower --lr or check the data")
@@ -253,7 +219,7 @@ def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         if cfg.qk_clip_tau:
-            par.sync_max_logits(model)
+            plan.sync_max_logits(model)
         clipped = qk_clip_(model, cfg.qk_clip_tau) if cfg.qk_clip_tau else 0
         load = balancer.step() if balancer is not None else None
         step += 1
@@ -266,7 +232,7 @@ def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
         if clipped:
             rec["qk_clipped_heads"] = clipped
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            rec["val_loss"] = evaluate(model, val_set, cfg.batch_size * cfg.dp * cfg.ep, cfg.eval_batches, device, amp)
+            rec["val_loss"] = evaluate(model, val_set, cfg.batch_size * plan.batch_slices, cfg.eval_batches, device, amp)
         if (step % cfg.log_every == 0 or "val_loss" in rec or step == cfg.steps) and rank == 0:
             now = time.time()
             rec["tokens_per_s"] = (tokens - tok_last) / max(now - t_last, 1e-9)
@@ -283,7 +249,7 @@ def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
                                 cfg.to_json())
             else:
                 save_checkpoint(run, model, run / "tokenizer.json", trainer, cfg.to_json(),
-                                model_state=par.full_state(model), optimizer_shard=optimizer.state_dict())
+                                model_state=plan.full_state(model), optimizer_shard=optimizer.state_dict())
     if progress is not None:
         progress.close()
     return {"step": step, "last": last, "unigram_entropy": entropy, "run": str(run), "params": n_params}

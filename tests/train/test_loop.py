@@ -8,6 +8,7 @@ import torch
 
 from k3.checkpoint import CheckpointError
 from k3.cli import main
+from k3.distributed.plan import ParallelDims, ParallelPlan
 from k3.train.loop import TrainConfig, train
 from k3.train.metrics import read_metrics
 
@@ -17,7 +18,7 @@ BASE = TrainConfig(out="", preset="tiny", data_max_bytes=400_000, tokenizer_byte
 
 def run(tmp_path, name, **kw):
     cfg = dataclasses.replace(BASE, out=str(tmp_path / name), **kw)
-    return cfg, train(cfg, log=lambda *a: None)
+    return cfg, train(cfg, ParallelPlan(ParallelDims(), cfg.device), log=lambda *a: None)
 
 
 def losses(out):

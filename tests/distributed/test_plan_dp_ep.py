@@ -1,4 +1,4 @@
-"""`--dp D --ep E` on a 2-D ("dp", "ep") mesh (k3.distributed.mesh.DataExpertParallelTraining) against one process.
+"""`--dp D --ep E` (k3.distributed.plan.ParallelPlan on a ("dp", "ep", "cp") mesh with cp = 1) against one process.
 
 Two checks: (1) in-process, 4 gloo ranks (dp 2 x ep 2): every parameter gradient after ``reduce_grads``, gathered
 to full tensors (experts put back in their true order), and the global gradient norm the training loop clips with,
@@ -51,14 +51,12 @@ def full(t):
 
 def _check_gradients(rank, world):
     from k3.distributed.expert_parallel import ExpertParallelBank
-    from k3.distributed.mesh import DataExpertParallelTraining
 
-    os.environ["WORLD_SIZE"] = str(world)  # init_from_env reads it; the process group is already up
     batch, w = global_batch(world), 0.3
     model, ref, ref_grads = reference(batch, w)
     untouched = copy.deepcopy(model)
-    par = DataExpertParallelTraining(2, 2)
-    assert par.mesh.mesh_dim_names == ("dp", "ep")
+    par = plan_in_process(rank, world, dp=2, ep=2)
+    assert par.mesh.mesh_dim_names == ("dp", "ep", "cp") and par.batch_slices == 4
     assert par.mesh["dp"].get_local_rank() == rank // 2 and par.mesh["ep"].get_local_rank() == rank % 2
     par.shard(model)
     banks = [m for m in model.modules() if isinstance(m, ExpertParallelBank)]
@@ -68,16 +66,28 @@ def _check_gradients(rank, world):
     compare_full_state(par, model, untouched)
 
 
+def plan_in_process(rank: int, world: int, dp: int = 1, ep: int = 1, cp: int = 1):
+    """The ParallelPlan of a spawned rank (the process group is already up; init_from_env reads the environment)."""
+    from k3.distributed.plan import ParallelDims, ParallelPlan
+
+    os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"] = str(world), str(rank)
+    par = ParallelPlan(ParallelDims(dp, ep, cp), device=test_device(rank).type)  # "cuda": cuda:LOCAL_RANK
+    assert (par.rank, par.world, par.device) == (rank, world, test_device(rank))
+    return par
+
+
 def compare_gradients(par, model, batch, w, ref, ref_grads, rank, dp, ep, tag=""):
     """One loss and backward through ``par``: the logged losses, every parameter's gradient after
     ``reduce_grads`` (gathered to full, experts put back in their true order) and the global norm the loop clips
     with equal one process's on the same global batch."""
     model.zero_grad(set_to_none=True)
-    loss, lm, mtp, n = par.loss(model, batch, w, test_device(rank))
+    loss, lm, mtp, n = par.loss(model, batch, w)
     loss.backward()
     par.reduce_grads(model)
     assert n == batch["input_ids"].numel()
-    assert lm == pytest.approx(ref["lm_loss"].item(), rel=1e-6) and mtp == pytest.approx(ref["mtp_loss"].item(), rel=1e-6)
+    # the logged losses: the mean over the ranks of their parts is the single-process value
+    assert float(lm) == pytest.approx(ref["lm_loss"].item(), rel=1e-6)
+    assert float(mtp) == pytest.approx(ref["mtp_loss"].item(), rel=1e-6)
     grads = {}
     for name, p in model.named_parameters():
         if p.grad is not None:
@@ -94,8 +104,12 @@ def compare_gradients(par, model, batch, w, ref, ref_grads, rank, dp, ep, tag=""
 
 
 def compare_full_state(par, model, untouched) -> None:
-    """The checkpoint's full state: the single-process names, shapes and (untrained) values."""
+    """The checkpoint's full state (on rank 0, the writer; empty elsewhere): the single-process names, shapes and
+    (untrained) values."""
     state, ref_state = par.full_state(model), untouched.state_dict()
+    if par.rank != 0:
+        assert state == {}
+        return
     assert set(state) == set(ref_state)
     for k, v in ref_state.items():
         assert state[k].shape == v.shape and torch.equal(state[k], v), k
@@ -123,8 +137,9 @@ def test_dp2_x_ep2_reproduces_the_single_process_loss_curve_and_checkpoint(tmp_p
 @pytest.mark.distributed
 def test_dp_x_ep_refuses_a_mismatched_process_count(tmp_path):
     r = run(ONE + ["--dp", "2", "--ep", "2"], tmp_path / "x", timeout=300)
-    assert r.returncode == 1 and "--dp 2 x --ep 2 needs 4 processes, 1 are running" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 1 and "--dp 2 x --ep 2 x --cp 1 needs 4 processes but 1 is running" in r.stderr, \
+        r.stderr[-2000:]
     assert "torchrun --nproc_per_node 4" in r.stderr
     r = run(torchrun(2) + ["--dp", "2", "--ep", "2"], tmp_path / "y", timeout=300)
-    assert r.returncode != 0 and "needs 4 processes, 2 are running" in r.stdout + r.stderr, r.stderr[-2000:]
+    assert r.returncode != 0 and "needs 4 processes but 2 are running" in r.stdout + r.stderr, r.stderr[-2000:]
 

@@ -1,5 +1,5 @@
-"""`--ep E --cp C` (and `--dp D --ep E --cp C`) on a ("dp", "ep", "cp") mesh (k3.distributed.mesh.DataExpertParallelTraining
-with cp > 1) against one process.
+"""`--ep E --cp C` (and `--dp D --ep E --cp C`) on the ("dp", "ep", "cp") mesh (k3.distributed.plan.ParallelPlan)
+against one process.
 
 (1) in-process, 4 gloo ranks (ep 2 x cp 2, dp 1), the tiny model with its MTP layer, packed documents crossing the cp
 cut of both slices: the logged lm and MTP losses, every parameter gradient after ``reduce_grads`` (gathered to full
@@ -13,28 +13,25 @@ missing factor C would halve every non-expert gradient: (1) compares the gradien
 """
 
 import copy
-import os
 
 import pytest
 
 from .gloo import needs_backend, spawn
 from .runs import ONE, assert_curves_match, assert_same_checkpoint, run, torchrun, train_run as _run
-from .test_mesh_ep import compare_full_state, compare_gradients, reference
-from .test_mesh_mtp import global_batch
+from .test_plan_dp_cp import global_batch
+from .test_plan_dp_ep import compare_full_state, compare_gradients, plan_in_process, reference
 
 TOL = 1e-5
 
 
 def _check_gradients(rank, world):
     from k3.distributed.expert_parallel import ExpertParallelBank
-    from k3.distributed.mesh import DataExpertParallelTraining
 
-    os.environ["WORLD_SIZE"] = str(world)  # init_from_env reads it; the process group is already up
     batch, w = global_batch(), 0.3  # 2 slices (one per ep rank) of 64 tokens, documents crossing both cp cuts
     model, ref, ref_grads = reference(batch, w)
     assert len(model.mtp) == 1
     untouched = copy.deepcopy(model)
-    par = DataExpertParallelTraining(1, 2, cp=2)
+    par = plan_in_process(rank, world, dp=1, ep=2, cp=2)
     assert par.mesh.mesh_dim_names == ("dp", "ep", "cp")
     assert par.mesh["ep"].get_local_rank() == rank // 2 and par.mesh["cp"].get_local_rank() == rank % 2
     par.shard(model)
@@ -68,5 +65,6 @@ def test_ep2_x_cp2_reproduces_the_single_process_loss_curve_and_checkpoint(tmp_p
 @pytest.mark.distributed
 def test_ep_x_cp_refuses_a_mismatched_process_count(tmp_path):
     r = run(ONE + ["--ep", "2", "--cp", "2"], tmp_path / "x", timeout=300)
-    assert r.returncode == 1 and "--dp 1 x --ep 2 x --cp 2 needs 4 processes, 1 are running" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 1 and "--dp 1 x --ep 2 x --cp 2 needs 4 processes but 1 is running" in r.stderr, \
+        r.stderr[-2000:]
     assert "torchrun --nproc_per_node 4" in r.stderr

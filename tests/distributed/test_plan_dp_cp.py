@@ -1,4 +1,5 @@
-"""MTP on the ("dp", "cp") mesh (k3.distributed.mesh.DataContextParallelTraining) against one process.
+"""`--dp D --cp C` with MTP (k3.distributed.plan.ParallelPlan on a ("dp", "ep", "cp") mesh with ep = 1) against one
+process.
 
 (1) in-process, 4 gloo ranks (dp 2 x cp 2), the tiny model with its MTP layer: the logged lm and MTP losses, every
 parameter gradient after ``reduce_grads`` (FSDP shards gathered) and the global gradient norm equal one process's
@@ -11,9 +12,9 @@ import copy
 import pytest
 import torch
 
-from .gloo import needs_backend, spawn, test_device
+from .gloo import needs_backend, spawn
 from .runs import ONE, assert_curves_match, torchrun, train_run as _run
-from .test_mesh_ep import VOCAB, full, reference
+from .test_plan_dp_ep import VOCAB, compare_full_state, full, plan_in_process, reference
 from tests.conftest import assert_close
 
 TOL = 1e-5
@@ -28,22 +29,18 @@ def global_batch() -> dict:
 
 
 def _check_gradients(rank, world):
-    import os
-
-    from k3.distributed.mesh import DataContextParallelTraining
-
-    os.environ["WORLD_SIZE"] = str(world)  # init_from_env reads it; the process group is already up
     batch, w = global_batch(), 0.3
     model, ref, ref_grads = reference(batch, w)
     assert len(model.mtp) == 1
     untouched = copy.deepcopy(model)
-    par = DataContextParallelTraining(2, 2)
+    par = plan_in_process(rank, world, dp=2, cp=2)
     par.shard(model)
-    loss, lm, mtp, n = par.loss(model, batch, w, test_device(rank))
+    loss, lm, mtp, n = par.loss(model, batch, w)
     loss.backward()
     par.reduce_grads(model)
     assert n == batch["input_ids"].numel()
-    assert lm == pytest.approx(ref["lm_loss"].item(), rel=1e-6) and mtp == pytest.approx(ref["mtp_loss"].item(), rel=1e-6)
+    assert float(lm) == pytest.approx(ref["lm_loss"].item(), rel=1e-6)
+    assert float(mtp) == pytest.approx(ref["mtp_loss"].item(), rel=1e-6)
     grads = {name: full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
     assert set(grads) == set(ref_grads) and any(k.startswith("mtp.") for k in grads)
     for name, g in grads.items():
@@ -52,13 +49,12 @@ def _check_gradients(rank, world):
     assert float(norm) == pytest.approx(float(torch.nn.utils.get_total_norm(list(ref_grads.values()))), rel=1e-6)
     # a second step runs through the registered forward method again (FSDP's per-iteration state is reset)
     model.zero_grad(set_to_none=True)
-    par.loss(model, batch, w, test_device(rank))[0].backward()
+    par.loss(model, batch, w).loss.backward()
     par.reduce_grads(model)
     for name, p in model.named_parameters():
         if p.grad is not None:
             assert_close(f"rank {rank} step-2 grad {name}", ref_grads[name], full(p.grad), TOL)
-    state, ref_state = par.full_state(model), untouched.state_dict()  # rank 0's (the writer's), tied weights once
-    assert (len(state) > 0) == (rank == 0) and all(torch.equal(v, ref_state[k]) for k, v in state.items())
+    compare_full_state(par, model, untouched)
 
 
 @pytest.mark.distributed

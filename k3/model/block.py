@@ -51,8 +51,7 @@ class DecoderLayer(nn.Module):
                 cache=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Reads from and writes into ``stream``; returns the two sub-layer outputs it wrote (so that module
         hooks, e.g. FSDP2's pre-backward unshard, see this layer's outputs)."""
-        h = stream.read(self.attention_query())
-        x = self.input_layernorm(h)
+        x = stream.read(self.attention_query(), self.input_layernorm)  # the pre-norm inside AttnRes' recomputable region
         if cache is not None:  # inference: the token mixer reads and extends this sequence's cached state
             a = cache.attend(self, x)
         elif self.kind == "kda":
@@ -60,8 +59,7 @@ class DecoderLayer(nn.Module):
         else:
             a = self.self_attn(x, cu_seqlens)
         stream.write(a)
-        h = stream.read(self.mlp_query())
-        m = self.ffn(self.post_attention_layernorm(h))
+        m = self.ffn(stream.read(self.mlp_query(), self.post_attention_layernorm))
         stream.write(m)
         return a, m
 

@@ -21,6 +21,7 @@ from ..data import (PackedDataset, encode_documents, eos_id, leading_documents, 
                     save_tokenizer, split_documents, stdlib_documents, train_tokenizer, unigram_entropy)
 from ..model.transformer import K3ForCausalLM
 from .balance import ExpertBalancer
+from .memory import ActivationManager
 from .metrics import MetricsLog, Progress
 from .optim import build_optimizer
 from .plan import TrainingPlan
@@ -57,7 +58,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     kda_backend: str = "auto"
-    activation_checkpointing: bool = False
+    memory_policy: str = "keep"  # keep | efficient | offload | recompute (k3.train.memory)
     val_fraction: float = 0.05
     stop_after: int | None = None  # stop (with a checkpoint) after this step; rerun the same command to resume
     dp: int = 1  # data-parallel ranks (FSDP2) when run under torchrun; batch_size is per rank
@@ -163,7 +164,8 @@ def train(cfg: TrainConfig, plan: TrainingPlan, log=print) -> dict:
     else:
         model, state = K3ForCausalLM(mcfg).to(device), None
     model.set_kda_backend(cfg.kda_backend)
-    model.model.gradient_checkpointing = cfg.activation_checkpointing
+    memory = ActivationManager(cfg.memory_policy)
+    memory.attach(model)
     model.train()
     plan.shard(model)  # several processes: experts split, the rest FSDP2-sharded (k3.distributed.plan)
     optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -199,9 +201,12 @@ def train(cfg: TrainConfig, plan: TrainingPlan, log=print) -> dict:
     end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
     while step < end:
         loss_sum, mtp_sum = 0.0, 0.0
-        for _ in range(cfg.grad_accum):
-            with amp:
+        logging = (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps
+        for i in range(cfg.grad_accum):
+            with amp, memory.forward(measure=logging and i == 0) as saved:
                 loss, lm, mtp, n = plan.loss(model, next(batches), cfg.mtp_weight)
+            if i == 0:
+                first_saved = saved
             (loss / cfg.grad_accum).backward()
             loss_sum += lm / cfg.grad_accum
             mtp_sum += (mtp if mtp is not None else 0.0) / cfg.grad_accum
@@ -224,6 +229,8 @@ def train(cfg: TrainConfig, plan: TrainingPlan, log=print) -> dict:
         load = balancer.step() if balancer is not None else None
         step += 1
         rec = {"step": step, "loss": loss_sum, "lr": lr, "tokens": tokens, "grad_norm": grad_norm}
+        if logging:  # what the first micro-batch's forward left for its backward on the device (k3.train.memory)
+            rec["saved_activation_bytes"] = first_saved.kept_bytes
         if mtp_sum:
             rec["mtp_loss"] = mtp_sum
         if load is not None:

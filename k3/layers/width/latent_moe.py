@@ -17,6 +17,7 @@ from ...ops.grouped_mm import grouped_mm
 from ...ops.routing import bincount
 from ...ops.situ import glu
 from ..norm import RMSNorm
+from ..regions import region
 from .mlp import GatedMLP
 from .router import Router
 
@@ -41,7 +42,12 @@ class ExpertBank(nn.Module):
         self.b1, self.b2 = config.activation_situ_beta, config.activation_situ_linear_beta
 
     def forward(self, z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """z [N,L], weights/idx [N,k] -> sum_j w_j E_j(z) [N,L] in fp32."""
+        """z [N,L], weights/idx [N,k] -> sum_j w_j E_j(z) [N,L] in fp32.
+
+        The routing weight scales each row BEFORE the down projection, w (h W2^T) = (w h) W2^T: autograd then
+        saves h and w h [M,I] in the compute dtype instead of the expert output [M,L] in fp32, and forms the
+        weight's gradient as rowsum(h * (dy W2)) from the act output and the gradient the down projection needs
+        anyway (SonicMoE's rewrite); equal to weighting afterwards up to float rounding."""
         N, k = idx.shape
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)  # rows grouped by expert
@@ -49,7 +55,8 @@ class ExpertBank(nn.Module):
         token = order // k
         zs = z[token]  # [M,L]
         h = glu(grouped_mm(zs, self.w1, counts), grouped_mm(zs, self.w3, counts), self.act, self.b1, self.b2)
-        out = grouped_mm(h, self.w2, counts).float() * weights.reshape(-1)[order, None]
+        hw = (h * weights.reshape(-1)[order, None]).to(h.dtype)  # [M,I]; bf16 stays bf16 for the fused matmul
+        out = grouped_mm(hw, self.w2, counts).float()
         return torch.zeros(N, z.shape[-1], dtype=torch.float32, device=z.device).index_add_(0, token, out)
 
 
@@ -78,7 +85,7 @@ class LatentMoE(nn.Module):
         if self.record_routing:
             self.last_routing = (scores.detach(), idx.detach())
         z = self.routed_expert_down_proj(x) if self.routed_expert_down_proj is not None else x
-        u = self.experts(z, weights, idx)  # [N,L] fp32
+        u = region("moe_experts", self.experts, z, weights, idx)  # [N,L] fp32; recomputable from the dispatch input
         if self.routed_expert_norm is not None:
             u = self.routed_expert_norm(u)
         u = u.to(x.dtype)

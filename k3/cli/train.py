@@ -37,6 +37,9 @@ def add_train_arguments(p, defaults: TrainConfig) -> None:
                    help="how activations saved for the backward are stored: keep all; efficient (AttnRes mixes and "
                    "MoE dispatch recomputed); offload (efficient + other layer activations to host memory); "
                    "recompute (whole layers)")
+    p.add_argument("--compile", action="store_true", default=d.compile,
+                   help="regional torch.compile: each layer's FFN, AttnRes mixes and KDA output norm (first steps "
+                   "compile; CPU needs a C compiler)")
     p.add_argument("--dp", type=int, default=d.dp, help="data-parallel ranks (FSDP2); --batch-size is per rank "
                    "(per group of --cp ranks). Run under torchrun with --nproc_per_node = dp x cp x ep")
     p.add_argument("--cp", type=int, default=d.cp, help="context-parallel ranks (KCP): each sequence is split "
@@ -54,7 +57,7 @@ def config_from_args(args, base: TrainConfig) -> TrainConfig:
         weight_decay=args.weight_decay, vocab_size=args.vocab_size, data_max_bytes=args.data_max_bytes,
         balance=args.balance, mtp_weight=args.mtp_weight, qk_clip_tau=args.qk_clip or None,
         eval_every=args.eval_every, log_every=args.log_every, save_every=args.save_every, seed=args.seed,
-        device=args.device, kda_backend=args.kda_backend, memory_policy=args.memory_policy,
+        device=args.device, kda_backend=args.kda_backend, memory_policy=args.memory_policy, compile=args.compile,
         stop_after=args.stop_after, dp=args.dp, cp=args.cp, ep=args.ep)
 
 

@@ -21,6 +21,7 @@ from ..data import (PackedDataset, encode_documents, eos_id, leading_documents, 
                     save_tokenizer, split_documents, stdlib_documents, train_tokenizer, unigram_entropy)
 from ..model.transformer import K3ForCausalLM
 from .balance import ExpertBalancer
+from .compile import compile_model
 from .memory import ActivationManager
 from .metrics import MetricsLog, Progress
 from .optim import build_optimizer
@@ -59,6 +60,7 @@ class TrainConfig:
     device: str = "auto"
     kda_backend: str = "auto"
     memory_policy: str = "keep"  # keep | efficient | offload | recompute (k3.train.memory)
+    compile: bool = False  # regional torch.compile (k3.train.compile)
     val_fraction: float = 0.05
     stop_after: int | None = None  # stop (with a checkpoint) after this step; rerun the same command to resume
     dp: int = 1  # data-parallel ranks (FSDP2) when run under torchrun; batch_size is per rank
@@ -166,6 +168,8 @@ def train(cfg: TrainConfig, plan: TrainingPlan, log=print) -> dict:
     model.set_kda_backend(cfg.kda_backend)
     memory = ActivationManager(cfg.memory_policy)
     memory.attach(model)
+    if cfg.compile:
+        compile_model(model)
     model.train()
     plan.shard(model)  # several processes: experts split, the rest FSDP2-sharded (k3.distributed.plan)
     optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)

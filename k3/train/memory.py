@@ -209,8 +209,8 @@ class ActivationManager:
         if storage is None:
             return fn(*args)
         if storage == "recompute":
-            for a in args:  # checkpoint saves them through _pack too (kept or offloaded there); marked here
-                if isinstance(a, torch.Tensor) and not _is_weight(a):
+            for a in () if torch.compiler.is_compiling() else args:  # (compiled: inside a graph, no bookkeeping)
+                if isinstance(a, torch.Tensor) and not _is_weight(a):  # checkpoint saves them through _pack too
                     self.stats.keep(a, recompute_input=True)
             # no random numbers in a region: nothing to save and restore around the recompute
             return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..ops.varlen import place_cu_seqlens
 from ..train.plan import StepLoss
 from .context_parallel import cp_model_loss
 from .process_group import collective_device, init_from_env, max_logits_across_ranks
@@ -93,6 +94,14 @@ def rank_slice(batch: dict, index: int, slices: int):
 
     shares = {d: predicted(local, d) * slices / max(predicted(cu, d), 1) for d in (1, 2)}
     return ids[:, lo:hi], local, shares
+
+
+def place_tokens(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host token ids -> ``device``: on CUDA through pinned memory without blocking (a pageable copy would wait
+    for every queued kernel)."""
+    if device.type == "cuda" and ids.device.type == "cpu":
+        return ids.pin_memory().to(device, non_blocking=True)
+    return ids.to(device)
 
 
 def _register_cp_loss(model) -> None:
@@ -159,7 +168,8 @@ class ParallelPlan:
 
     def loss(self, model, batch: dict, mtp_weight: float) -> StepLoss:
         ids, cu, shares = rank_slice(batch, self.slice, self.batch_slices)
-        ids, cu = ids.to(self.device), cu.to(self.device)
+        # pinned, non-blocking copies; cu_seqlens' host values go with it, so no layer reads it back
+        ids, cu = place_tokens(ids, self.device), place_cu_seqlens(cu, self.device)
         C = self.dims.cp
         if C == 1:
             out = model(ids, cu_seqlens=cu, labels=ids, mtp_weight=mtp_weight, return_logits=False)

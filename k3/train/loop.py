@@ -218,15 +218,18 @@ def train(cfg: TrainConfig, plan: TrainingPlan, log=print) -> dict:
                 balancer.observe()
             tokens += n
         plan.reduce_grads(model)
-        loss_sum, mtp_sum = float(loss_sum), float(mtp_sum)  # one read of the device per step
-        if not math.isfinite(loss_sum):
-            raise FloatingPointError(f"loss became {loss_sum} at step {step}; lower --lr or check the data")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        # one read of the device per step, once the optimizer's kernels are queued behind the backward's (a read
+        # before them would leave the device idle while the host launches them); a non-finite loss stops the run
+        # before anything of this step is saved
+        loss_sum, mtp_sum, grad_norm = (float(x) for x in (loss_sum, mtp_sum, grad_norm))
+        if not math.isfinite(loss_sum):
+            raise FloatingPointError(f"loss became {loss_sum} at step {step}; lower --lr or check the data")
         if cfg.qk_clip_tau:
             plan.sync_max_logits(model)
         clipped = qk_clip_(model, cfg.qk_clip_tau) if cfg.qk_clip_tau else 0

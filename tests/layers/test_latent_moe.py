@@ -64,3 +64,15 @@ def test_grouped_path_gradients_equal_the_per_token_loop(variant):
     assert set(grads[0]) == set(grads[1]) and "gate.weight" in grads[0]
     for n, g in grads[1].items():
         assert_close(n, g, grads[0][n], 1e-6)
+
+
+def test_router_scores_stay_fp32_under_autocast():
+    """SPEC §4: the router scores in fp32; bf16 autocast (the CUDA training path) must not lower its matmul."""
+    from k3.layers.width.router import Router
+
+    router = Router(K3Config.preset("tiny"))
+    x = torch.randn(16, router.weight.shape[1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = router(x)
+    for a, b in zip(got, router(x)):
+        assert torch.equal(a, b)

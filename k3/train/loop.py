@@ -166,6 +166,9 @@ def train(cfg: TrainConfig, plan: TrainingPlan, log=print) -> dict:
     else:
         model, state = K3ForCausalLM(mcfg).to(device), None
     model.set_kda_backend(cfg.kda_backend)
+    if cfg.memory_policy == "recompute" and cfg.cp > 1:
+        raise ValueError("--memory-policy recompute (whole layers) does not apply under --cp, whose layers run through "
+                         "the context-parallel view; use --memory-policy efficient or offload there")
     memory = ActivationManager(cfg.memory_policy)
     memory.attach(model)
     if cfg.compile:

@@ -20,8 +20,9 @@ its size (``offload_min_bytes``), and whether it is a weight (weights are never 
              memory.
   recompute  whole decoder layers recomputed: only each layer's inputs (the depth sources) are kept.
 
-Every policy gives the loss and gradients of ``keep``: recomputation repeats the same operations, offloading
-moves exact copies (tests/train/test_memory.py). ``ActivationManager.forward()`` also measures what the policy
+Every policy gives the loss of ``keep`` exactly (recomputation repeats the same operations, offloading moves exact
+copies) and its gradients to float rounding (a recomputed region may change the order in which autograd sums a
+tensor's gradient contributions): tests/train/test_memory.py. ``ActivationManager.forward()`` also measures what the policy
 keeps on the device, through the same hooks (``SavedStats``), deterministically, on any device.
 """
 

@@ -65,10 +65,11 @@ def test_dp_resume_equals_uninterrupted(tmp_path):
 @needs_backend(2)
 def test_cp2_reproduces_the_single_process_loss_curve(tmp_path):
     """`--cp 2`: every sequence split along time over two ranks (KCP in the KDA layers, gathered MLA latents),
-    the MTP layer and QK-clip included."""
+    the MTP layer and QK-clip included; with `--memory-policy efficient` (its AttnRes and MoE regions, recomputed
+    in the backward, sit inside the CP forward) against one process keeping everything."""
     common = ["--batch-size", "2"]
     single = _run(ONE + common, tmp_path / "one")
-    cp = _run(torchrun(2) + common + ["--cp", "2"], tmp_path / "cp")
+    cp = _run(torchrun(2) + common + ["--cp", "2", "--memory-policy", "efficient"], tmp_path / "cp")
     for a, b in zip(single, cp):
         assert abs(a["loss"] - b["loss"]) < LOSS_RTOL * a["loss"], (a, b)
         assert abs(a["load_max_over_mean"] - b["load_max_over_mean"]) <= LOAD_ATOL, (a, b)
@@ -78,9 +79,10 @@ def test_cp2_reproduces_the_single_process_loss_curve(tmp_path):
 @pytest.mark.distributed
 @needs_backend(2)
 def test_ep2_reproduces_the_single_process_loss_curve_and_saves_full_experts(tmp_path):
-    """`--ep 2`: routed experts sharded over two ranks, MoonEP-balanced all-to-all dispatch."""
+    """`--ep 2`: routed experts sharded over two ranks, MoonEP-balanced all-to-all dispatch; with `--memory-policy
+    efficient`, whose recomputed MoE region runs the dispatch's all-to-alls again in the backward."""
     single = _run(ONE + ["--batch-size", "4"], tmp_path / "one")
-    ep = _run(torchrun(2) + ["--batch-size", "2", "--ep", "2"], tmp_path / "ep")
+    ep = _run(torchrun(2) + ["--batch-size", "2", "--ep", "2", "--memory-policy", "efficient"], tmp_path / "ep")
     for a, b in zip(single, ep):
         assert abs(a["loss"] - b["loss"]) < LOSS_RTOL * a["loss"], (a, b)
         assert abs(a["load_max_over_mean"] - b["load_max_over_mean"]) <= LOAD_ATOL, (a, b)

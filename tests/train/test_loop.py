@@ -103,12 +103,15 @@ def test_training_on_user_jsonl_learns(tmp_path):
 
 
 def test_memory_policies_train_the_same_curve_with_less_saved(tmp_path):
-    """`k3 train --memory-policy`: the same losses (bitwise on CPU) and gradient norms, fewer saved bytes logged."""
+    """`k3 train --memory-policy`: the same losses and gradient norms (to float rounding: 1e-6 relative), fewer
+    saved bytes logged."""
     curves = {}
     for policy in ("keep", "efficient", "recompute"):
         cfg, _ = run(tmp_path, policy, steps=2, eval_every=100, memory_policy=policy)
         curves[policy] = read_metrics(cfg.out)
     keep = curves.pop("keep")
     for policy, recs in curves.items():
-        assert [(r["loss"], r["grad_norm"]) for r in recs] == [(r["loss"], r["grad_norm"]) for r in keep], policy
+        for r, k in zip(recs, keep):
+            assert r["loss"] == pytest.approx(k["loss"], rel=1e-6) and r["grad_norm"] == pytest.approx(k["grad_norm"],
+                                                                                                      rel=1e-6), policy
         assert all(0 < r["saved_activation_bytes"] < k["saved_activation_bytes"] for r, k in zip(recs, keep)), policy

@@ -1,8 +1,10 @@
 """Activation memory policies (k3.train.memory) against keeping everything: the same loss and gradients, less saved.
 
-The tiny model with its MTP layer on packed documents. Equality is exact (bitwise) on CPU: recomputation repeats
-the same operations in the same order, offloading moves exact copies. What is saved is measured through the
-saved-tensor hooks themselves (``SavedStats``: each storage once, at the end of the forward), deterministically.
+The tiny model with its MTP layer on packed documents. The loss is exact (bitwise): recomputation repeats the same
+operations, offloading moves exact copies. Gradients agree to float rounding (stated: RMS ratio 1e-6; measured 0
+here): a recomputed region can change the order in which autograd sums a tensor's gradient contributions. What is
+saved is measured through the saved-tensor hooks themselves (``SavedStats``: each storage once, at the end of the
+forward), deterministically.
 """
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 from k3.config import K3Config
 from k3.model.transformer import K3ForCausalLM
 from k3.train.memory import POLICIES, ActivationManager, MemoryPolicy
+from tests.conftest import assert_close
 
 VOCAB = 128
 ALL_OFFLOADED = MemoryPolicy(POLICIES["efficient"].regions, layers="offload", offload_min_bytes=0)
@@ -57,7 +60,7 @@ def test_every_policy_gives_the_loss_and_gradients_of_keeping_everything(policy)
     assert torch.equal(loss, ref_loss)
     assert set(grads) == set(ref_grads) and any(n.startswith("mtp.") for n in grads)
     for name, g in ref_grads.items():
-        assert torch.equal(grads[name], g), name
+        assert_close(name, g, grads[name], 1e-6)
 
 
 def test_policies_lower_what_is_saved():

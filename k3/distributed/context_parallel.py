@@ -189,7 +189,7 @@ def cp_shifted_targets(labels_global: torch.Tensor, cu_seqlens: torch.Tensor | N
         raise ValueError(f"packed documents (cu_seqlens) need labels of batch 1; got batch {B}")
     tgt = torch.full_like(labels_global, -100)
     tgt[:, : T_global - shift] = labels_global[:, shift:]
-    tgt[:, ~same_document(T_global, shift, cu_seqlens, labels_global.device)] = -100
+    tgt.masked_fill_(~same_document(T_global, shift, cu_seqlens, labels_global.device), -100)  # no wait for the device
     return tgt[:, start:end]
 
 

@@ -3,7 +3,7 @@
 # cannot eat the others. Results land in $OUT, packed at the end into $OUT/gpu_session.tgz (JSON + logs) and
 # $OUT/autotune.tgz (fla's Triton autotuning results: extract into .tcache/ and carry it next time to skip it).
 #   usage (device tool, carrying .whl with fla-core, and .tcache if you have one): bash benchmarks/gpu_session.sh [steps...]
-#   one GPU:  tests train trainc profile memory decode cp kda packed   (default: tests train decode cp)
+#   one GPU:  tests serve train trainc profile memory cp kda packed   (default: tests serve train cp)
 #   2+ GPUs:  nccl flacp kcp scale             (the distributed suite over NCCL, fla CP vs KCP, multi-GPU throughput)
 #   T_TESTS=300 etc. (T_<STEP>, upper case) override a step's limit in seconds.
 set -u
@@ -17,17 +17,24 @@ else
   export PYTHONPATH=.
 fi
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache} FLA_CACHE_RESULTS=1
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-cache}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 export K3_COMMIT=${K3_COMMIT:-unknown}
-mkdir -p "$TRITON_CACHE_DIR"
+mkdir -p "$TRITON_CACHE_DIR" "$TORCHINDUCTOR_CACHE_DIR"
+# fla's autotuning results, kept in the repo (benchmarks/autotune/*.tgz) and/or carried as .tcache/
+for t in benchmarks/autotune/*.tgz; do [ -f "$t" ] && tar xzf "$t" -C "$TRITON_CACHE_DIR"; done
 [ -d .tcache ] && cp -r .tcache/. "$TRITON_CACHE_DIR"/
+[ -f .tcache/inductor.tgz ] && tar xzf .tcache/inductor.tgz -C "$TORCHINDUCTOR_CACHE_DIR"
 L=$OUT/logs
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 TR="python3 -m torch.distributed.run --nproc_per_node"
-steps=${*:-tests train decode cp}
+steps=${*:-tests serve train cp}
 for s in $steps; do
   case $s in
     tests)  timeout ${T_TESTS:-420} python3 -m pytest -q -p no:cacheprovider -W ignore tests/gpu/test_fla.py 2>&1 | tee "$L/gpu_tests.log" ;;
+    # the engine: decode kernels compiled, graph runner == eager runner == full forward, then the decode benchmark
+    serve)  timeout ${T_SERVE_TESTS:-240} python3 -m pytest -q -x -s -p no:cacheprovider -W ignore tests/ops/test_decode_kernels.py tests/gpu/test_engine_gpu.py 2>&1 | tee "$L/serve_tests.log"
+            timeout ${T_SERVE:-420} python3 benchmarks/bench_decode.py --profile ${DECODE_ARGS:-} --json "$L/bench_decode.json" 2>&1 | tee "$L/bench_decode.log" ;;
     # k3 small and medium on uniform and corpus documents, and the dense same-width peers, 8 x 4096 tokens
     train)  timeout ${T_TRAIN:-590} python3 benchmarks/bench_train.py --json "$L/bench_train.json" 2>&1 | tee "$L/bench_train.log" ;;
     # the same with regional torch.compile (the peer whole-model) and the efficient memory policy
@@ -36,7 +43,6 @@ for s in $steps; do
     profile) timeout ${T_PROFILE:-590} python3 benchmarks/bench_train.py --steps 3 --profile "$L/profile" --json "$L/bench_train_profile.json" 2>&1 | tee "$L/bench_train_profile.log" ;;
     # peak memory per activation policy, medium at 8 x 4096 tokens
     memory) timeout ${T_MEMORY:-590} python3 benchmarks/bench_memory.py --preset medium --batch 8 --seq-len 4096 --json "$L/bench_memory.json" 2>&1 | tee "$L/bench_memory.log" ;;
-    decode) timeout ${T_DECODE:-480} python3 benchmarks/bench_decode.py --json "$L/bench_decode.json" 2>&1 | tee "$L/bench_decode.log" ;;
     cp)     timeout ${T_CP:-420} python3 benchmarks/bench_cp.py --json "$L/bench_cp.json" 2>&1 | tee "$L/bench_cp.log" ;;
     # packed documents: MLA's length groups and the unpadded short conv against padded rows, on the GPU
     packed) timeout ${T_PACKED:-300} python3 benchmarks/bench_packed.py --ops mla,conv --batches 3 --json "$L/bench_packed.json" 2>&1 | tee "$L/bench_packed.log" ;;
@@ -47,8 +53,9 @@ for s in $steps; do
     flacp)  timeout ${T_FLACP:-420} python3 -m pytest -q -s -p no:cacheprovider -W ignore tests/gpu/test_fla_cp.py 2>&1 | tee "$L/fla_cp_test.log" ;;
     kcp)    for r in 1 $NGPU; do timeout ${T_KCP:-300} $TR $r benchmarks/bench_kcp.py --json "$L/bench_kcp_r$r.json" 2>&1 | tee "$L/bench_kcp_r$r.log"; done ;;
     scale)  timeout ${T_SCALE:-540} python3 benchmarks/bench_scale.py --gpus $NGPU --json "$L/bench_scale.json" 2>&1 | tee "$L/bench_scale.log" ;;
-    *) echo "unknown step $s (tests train trainc profile memory decode cp kda packed nccl flacp kcp scale)"; exit 2 ;;
+    *) echo "unknown step $s (tests serve train trainc profile memory cp kda packed nccl flacp kcp scale)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/gpu_session.tgz" -C "$OUT" logs && rm -rf "$L"
 (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/autotune.tgz" -T -)
+(cd "$TORCHINDUCTOR_CACHE_DIR" && tar czf "$OUT/inductor.tgz" . 2>/dev/null)

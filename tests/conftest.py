@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels (ours and fla-core's) run on CPU tensors in Triton's interpreter: set before any kernel module
+    # is imported (``@triton.jit`` reads it when a kernel is defined); tests/ops/test_decode_kernels.py uses it
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

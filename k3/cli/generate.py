@@ -32,8 +32,16 @@ def sampling_from_args(args, stop=()):
                           top_p=args.top_p, seed=args.seed, stop=tuple(stop))
 
 
-def load_for_inference(path: str | Path, device):
-    """(model, tokenizer) from a checkpoint directory or a run directory holding ``checkpoint/``."""
+def inference_dtype(device, name: str = "auto") -> torch.dtype:
+    """bf16 on CUDA (the fused expert matmul and CUDA graphs need it), fp32 on the CPU, unless named."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def load_for_inference(path: str | Path, device, dtype: torch.dtype | None = None):
+    """(model, tokenizer) from a checkpoint directory or a run directory holding ``checkpoint/``; the model in
+    ``dtype`` (default: ``inference_dtype(device)``)."""
     from ..checkpoint import load_pretrained
     from ..data import load_tokenizer
 
@@ -42,7 +50,7 @@ def load_for_inference(path: str | Path, device):
         p = p / "checkpoint"
     if not (p / "tokenizer.json").exists():
         raise FileNotFoundError(f"no tokenizer.json in {p}: point --checkpoint at a k3 checkpoint directory")
-    model = load_pretrained(p, dtype=torch.float32).to(device).eval()
+    model = load_pretrained(p, dtype=torch.float32).to(device, dtype or inference_dtype(device)).eval()
     return model, load_tokenizer(p / "tokenizer.json")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -9,6 +10,11 @@ import torch
 from ..config import PRESETS
 
 HELP = "serve a checkpoint over an OpenAI-compatible HTTP API (localhost by default)"
+
+POOL_HELP = """The page pool holds every request's cache: MLA latents (page-tokens tokens per page) and KDA states
+(whole pages per request, fixed size). By default it takes --memory-fraction of the GPU memory left after the
+model (on the CPU: 512 pages). The longest request the pool can hold is reported on /health (max_context) and
+/v1/models (max_model_len); more pages raise it and let more requests run at once."""
 
 
 def add_arguments(p) -> None:
@@ -19,42 +25,78 @@ def add_arguments(p) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", default=None, help="the name clients pass as `model` (default: the directory)")
-    p.add_argument("--num-pages", type=int, default=512, help="cache pages in the block pool")
-    p.add_argument("--page-tokens", type=int, default=1024)
-    p.add_argument("--hash-block", type=int, default=512, help="prefix-hash block (tokens); divides --page-tokens")
-    p.add_argument("--checkpoint-every", type=int, default=4, help="KDA state checkpoint every N hash blocks")
-    p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="model dtype (auto: bfloat16 on CUDA, float32 on the CPU)")
+    g = p.add_argument_group("page pool", POOL_HELP)
+    g.add_argument("--num-pages", type=int, default=None, help="device pages (default: from --memory-fraction)")
+    g.add_argument("--memory-fraction", type=float, default=0.8,
+                   help="of the free GPU memory after loading the model, for the pool (default 0.8)")
+    g.add_argument("--page-tokens", type=int, default=1024, help="MLA tokens per page (a multiple of --hash-block)")
+    g.add_argument("--hash-block", type=int, default=512,
+                   help="prefix-cache granularity in tokens: a shared prefix is reused at any multiple of it")
+    g.add_argument("--checkpoint-every", type=int, default=4,
+                   help="a KDA state checkpoint every N hash blocks (and at each prompt's last full block)")
+    g.add_argument("--host-pages", type=int, default=0,
+                   help="the prefix cache's write-back tier: pages of CPU memory for evicted prefixes (default 0)")
+    s = p.add_argument_group("scheduling")
+    s.add_argument("--max-batch", type=int, default=64, help="most requests running at once")
+    s.add_argument("--step-tokens", type=int, default=4096, help="most tokens per engine step (decodes + prefill)")
+    s.add_argument("--prefill-chunk", type=int, default=2048, help="most prompt tokens of one request per step")
+    s.add_argument("--long-prompt", type=int, default=32768,
+                   help="prompts this long are the long class: they get at most half the prefill budget and the "
+                        "pool while short requests wait")
+    s.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (no graphs, no compile)")
 
 
-def _random_model(preset: str, device):
+def _random_model(preset: str, device, dtype):
     from ..data import stdlib_documents, train_tokenizer
     from ..model.transformer import K3ForCausalLM
 
     cfg = PRESETS[preset]()
     tok = train_tokenizer(stdlib_documents(max_bytes=500_000), min(cfg.vocab_size, 4096))
     torch.manual_seed(0)
-    return K3ForCausalLM(cfg.replace(vocab_size=tok.get_vocab_size())).to(device).eval(), tok
+    return K3ForCausalLM(cfg.replace(vocab_size=tok.get_vocab_size())).to(device, dtype).eval(), tok
+
+
+def pool_pages(model, page_tokens: int, device, fraction: float, dtype) -> int:
+    """How many pages --memory-fraction of the free device memory holds (512 on the CPU)."""
+    from ..inference.pool import PageLayout
+
+    if torch.device(device).type != "cuda":
+        return 512
+    if not 0 < fraction < 1:
+        raise ValueError(f"--memory-fraction must be in (0, 1), got {fraction}")
+    free, _ = torch.cuda.mem_get_info(device)
+    page = PageLayout.from_config(model.config, page_tokens, dtype).page_bytes
+    return max(2, int(free * fraction) // page)
 
 
 def run(args) -> int:
     from ..inference.engine import Engine, EngineConfig
     from ..serve import run_server
     from ..train.loop import resolve_device
-    from .generate import load_for_inference
+    from .generate import inference_dtype, load_for_inference
 
     device = resolve_device(args.device)
+    dtype = inference_dtype(device, args.dtype)
     if args.checkpoint:
-        model, tok = load_for_inference(args.checkpoint, device)
+        model, tok = load_for_inference(args.checkpoint, device, dtype)
         name = args.model_name or Path(args.checkpoint).resolve().name
     else:
         if not args.random_init:
             raise ValueError("--preset serves random weights only with --random-init (use --checkpoint for a trained model)")
-        model, tok = _random_model(args.preset, device)
+        model, tok = _random_model(args.preset, device, dtype)
         name = args.model_name or args.preset
-    engine = Engine(model, tok, EngineConfig(num_pages=args.num_pages, page_tokens=args.page_tokens,
-                                             hash_block=min(args.hash_block, args.page_tokens),
-                                             checkpoint_every=args.checkpoint_every, max_batch=args.max_batch),
-                    model_name=name)
+    pages = args.num_pages or pool_pages(model, args.page_tokens, device, args.memory_fraction, dtype)
+    graphs = False if args.no_cuda_graphs else None
+    engine = Engine(model, tok, EngineConfig(
+        num_pages=pages, page_tokens=args.page_tokens, hash_block=min(args.hash_block, args.page_tokens),
+        checkpoint_every=args.checkpoint_every, host_pages=args.host_pages, max_batch=args.max_batch,
+        step_tokens=args.step_tokens, prefill_chunk=args.prefill_chunk, long_prompt=args.long_prompt,
+        cuda_graphs=graphs, compile=graphs), model_name=name)
+    print(f"k3 serve: {name} on {device} ({dtype}); page pool {pages} pages x {engine.layout.page_bytes / 2**20:.1f} "
+          f"MiB, longest request {engine.max_context:,} tokens; CUDA graphs {'on' if engine.runner.use_graphs else 'off'}",
+          file=sys.stderr, flush=True)
     run_server(engine, host=args.host, port=args.port)
     return 0

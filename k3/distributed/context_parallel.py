@@ -6,16 +6,16 @@ R kv_lora_rank, Dr rope dim, V vocab, W conv width.
 Rank r of the CP group holds the r-th contiguous segment [start, end) of every sequence (for packed documents:
 of the one packed row [1, T_global]; segments may differ in length but must tile [0, T_global) in rank order).
 Only the token mixers see across tokens; AttnRes, norms, MoE and the head are per token and need nothing. So a
-``ContextParallel`` object is handed to the model as its ``cache=`` (``DecoderLayer.forward`` then calls
+``ContextParallel`` object is handed to the model as its token ``mixer=`` (``DecoderLayer.forward`` then calls
 ``cp.attend(layer, x)`` instead of the layer's own token mixer):
 
-  - KDA (``_attend_kda``): KimiDeltaAttention.forward with the layer's own submodules, except that the q/k/v
-    short convolutions take their W-1 halo from the previous rank (``kcp_short_conv``) and the recurrence starts
-    from the exact carried state (``kcp_chunk_kda``: one fixed-size all-gather of (M, S~)).
+  - KDA (``_attend_kda``): the layer's own projections, activations and output; the q/k/v short convolutions
+    take their W-1 halo from the previous rank (``kcp_short_conv``) and the recurrence starts from the exact
+    carried state (``kcp_chunk_kda``: one fixed-size all-gather of (M, S~)).
   - MLA (``_attend_mla``): this rank's latents (c_kv, k_pe) are all-gathered along time (``gather_sequence``,
     backward: all-reduce of the gathered gradient, then this rank's slice); this rank's queries attend over
     keys [0, end) under a causal + same-document mask in GLOBAL positions, with weight absorption
-    (``GatedMLA.attend_absorbed``, exact in fp32).
+    (``GatedMLA.attend_latent``, exact in fp32).
 
 Loss: ``cp_shifted_targets`` gives each rank its next-token targets (the target of its last token is the next
 rank's first token, ignored across a document boundary); ``cp_loss_sum`` returns (sum, count), and the global
@@ -32,8 +32,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..ops import kda as kda_ops
-from ..ops.norms import l2_norm
 from ..ops.varlen import document_ids, same_document
 from .process_group import collective_device
 from .kcp import kcp_chunk_kda, kcp_short_conv, local_cu_seqlens
@@ -83,7 +81,7 @@ def _rank_ranges(group, start: int, end: int) -> list[tuple[int, int]]:
 
 
 class ContextParallel:
-    """The CP view of one forward, passed as ``cache=`` to ``K3ForCausalLM.forward`` / ``K3Model.forward``.
+    """The CP token mixer of one forward, passed as ``mixer=`` to ``K3ForCausalLM.forward`` / ``K3Model.forward``.
 
     group: the CP process group (None = default). start, end: this rank's token range in the global sequence.
     cu_seqlens: GLOBAL document boundaries [N+1] of the packed row (B = 1), or None for unpacked batches.
@@ -127,52 +125,38 @@ class ContextParallel:
             return self._attend_kda(layer.self_attn, x)
         return self._attend_mla(layer.self_attn, x)
 
-    def _conv(self, proj, conv, x):
-        return kcp_short_conv(proj(x), conv.weight, self.group, self.cu_local, self.continues)
+    def _conv(self, x, conv):
+        return kcp_short_conv(x, conv.weight, self.group, self.cu_local, self.continues)
 
     def _attend_kda(self, attn, x):
-        """KimiDeltaAttention.forward (training, no state) with the halo'd convs and the KCP recurrence."""
-        B, T, _ = x.shape
-        H, K = attn.num_heads, attn.head_dim
-        q = self._conv(attn.q_proj, attn.q_conv1d, x)
-        k = self._conv(attn.k_proj, attn.k_conv1d, x)
-        v = self._conv(attn.v_proj, attn.v_conv1d, x)
-        q, k, v = l2_norm(q.view(B, T, H, K)), l2_norm(k.view(B, T, H, K)), v.view(B, T, H, K)
-        g = kda_ops.kda_gate(attn.f_b_proj(attn.f_a_proj(x)).view(B, T, H, K), attn.A_log, attn.dt_bias,
-                             attn.gate_kind, attn.lower_bound)
-        beta = torch.sigmoid(attn.b_proj(x).float())
-        lb = attn.lower_bound if attn.gate_kind == "lower_bound" else None
+        """The KDA layer's own pieces around the halo'd convs and the KCP recurrence."""
+        q, k, v, f, b, gate = attn.projections(x)
+        q, k, v = self._conv(q, attn.q_conv1d), self._conv(k, attn.k_conv1d), self._conv(v, attn.v_conv1d)
+        q, k, v, g, beta = attn.activations(q, k, v, f, b)
         o, _ = kcp_chunk_kda(q, k, v, g, beta, self.group, cu_seqlens=self.cu_local,
-                             first_doc_continues=self.continues, backend=attn.backend, lower_bound=lb)
-        o = attn.o_norm(o, attn._output_gate(x).view(B, T, H, K))
-        return attn.o_proj(o.reshape(B, T, H * K).to(x.dtype))
+                             first_doc_continues=self.continues, backend=attn.backend,
+                             lower_bound=attn.kernel_lower_bound)
+        return attn.output(o, gate)
 
     def _attend_mla(self, mla, x):
         """This rank's queries over the gathered latents of keys [0, end), absorbed form, global mask."""
         B, T, _ = x.shape
         positions = self.positions.to(x.device).expand(B, T)
-        c_kv, k_pe = mla.latent(x, positions)  # [B,T,R], [B,T,Dr]
-        lat = gather_sequence(torch.cat([c_kv, k_pe], dim=-1), self.group, self.ranges)[:, : self.end]  # [B,S,R+Dr]
-        c_all, pe_all = lat.split([c_kv.shape[-1], k_pe.shape[-1]], dim=-1)
+        inp = mla.project(x, positions)  # latents [B,T,R], [B,T,Dr]
+        lat = gather_sequence(torch.cat([inp.c_kv, inp.k_pe], dim=-1), self.group, self.ranges)[:, : self.end]
+        c_all, pe_all = lat.split([inp.c_kv.shape[-1], inp.k_pe.shape[-1]], dim=-1)  # [B,S,R], [B,S,Dr]
         mask = self.mask.to(x.device).expand(B, T, self.end)
         if getattr(mla, "track_max_logit", False) and mla.training:
-            _record_max_logit(mla, x, c_all, pe_all, mask, positions)
-        return mla.attend_absorbed(x, c_all, pe_all, mask, positions)
+            _record_max_logit(mla, inp, c_all, pe_all, mask)
+        return mla.output(mla.attend_latent(inp, c_all, pe_all, mask), inp.gate)
 
 
 @torch.no_grad()
-def _record_max_logit(mla, x, c_all, pe_all, mask, positions) -> None:
+def _record_max_logit(mla, inp, c_all, pe_all, mask) -> None:
     """QK-clip's statistic under CP: this rank's queries' max pre-softmax logit per head over the keys they see
-    (the training loop takes the MAX over ranks). Same scores as ``attend_absorbed``: [B,H,T,S]."""
-    from ..layers.sequence.mla import rotary
-
-    q_nope, q_pe = mla._query(x)
-    if mla.use_rope:
-        q_pe = rotary(q_pe, positions, mla.rope_theta)
-    w_uk, _ = mla.absorbed_weights()
-    q_lat = torch.einsum("bthn,hnr->bthr", q_nope.float(), w_uk.float())
-    s = (torch.einsum("bthr,bsr->bhts", q_lat, c_all.float())
-         + torch.einsum("bthp,bsp->bhts", q_pe.float(), pe_all.float())) * mla.scale
+    (the training loop takes the MAX over ranks). Same scores as ``attend_latent``: [B,H,T,S]."""
+    s = (torch.einsum("bthr,bsr->bhts", mla.absorb(inp.q_nope), c_all.float())
+         + torch.einsum("bthp,bsp->bhts", inp.q_pe.float(), pe_all.float())) * mla.scale
     m = s.masked_fill(~mask[:, None], float("-inf")).amax(dim=(0, 2, 3))
     mla.max_logit = m if mla.max_logit is None else torch.maximum(mla.max_logit, m)
 
@@ -215,7 +199,7 @@ def cp_model_loss(model, ids_global: torch.Tensor, cu_seqlens, start: int, end: 
                                            cp_shifted_targets(ids_global, cu_seqlens, start, end, shift), loss_chunk)
         return _share_of_mean(total, count, group)
 
-    h = model.model(ids, cache=view)
+    h = model.model(ids, mixer=view)
     lm = share(model.model.norm(h), 1)
     if not (len(model.mtp) and mtp):
         return lm, None
@@ -225,7 +209,7 @@ def cp_model_loss(model, ids_global: torch.Tensor, cu_seqlens, start: int, end: 
         k = i + 1  # the same inputs and targets as K3ForCausalLM.forward, taken from the global row
         keep = same_document(T, k, cu_seqlens, ids_global.device)
         nxt = torch.where(keep, torch.roll(ids_global, -k, dims=1), ids_global)[:, start:end]
-        h = layer(h, model.model.embed_tokens(nxt), cache=view)
+        h = layer(h, model.model.embed_tokens(nxt), mixer=view)
         losses.append(share(h, 1 + k))
     return lm, torch.stack(losses).mean()
 

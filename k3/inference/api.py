@@ -10,16 +10,17 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: until end of sequence, a stop string or the engine's context limit
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: int = 0  # how many top alternatives to report per token (0-5)
+    ignore_eos: bool = False  # keep generating past the end-of-sequence token (benchmarks, tests)
 
     def __post_init__(self):
-        if self.max_tokens < 1:
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -51,10 +52,12 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class FinishEvent:
-    """The last event of a request. reason: "stop" (EOS or a stop string), "length" (max_tokens), "abort"."""
+    """The last event of a request. reason: "stop" (EOS or a stop string), "length" (max_tokens or the context
+    limit), "abort" (cancelled, or the engine stopped), "error" (the engine failed: ``error`` says how)."""
 
     reason: str
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     text: str  # the whole completion (stop string excluded)
+    error: str | None = None

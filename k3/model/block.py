@@ -48,12 +48,17 @@ class DecoderLayer(nn.Module):
         return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
 
     def forward(self, stream: DepthStream, cu_seqlens: torch.Tensor | None = None,
-                cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+                mixer=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Reads from and writes into ``stream``; returns the two sub-layer outputs it wrote (so that module
-        hooks, e.g. FSDP2's pre-backward unshard, see this layer's outputs)."""
+        hooks, e.g. FSDP2's pre-backward unshard, see this layer's outputs).
+
+        ``mixer``: where the token mixer's state and kernels come from when it is not this forward alone: an
+        object with ``attend(layer, x) -> y`` (the inference engine's paged prefill and decode, context
+        parallelism's halos and scans). It calls back into the layer's own pieces (``projections``,
+        ``activations``, ``output`` of KDA; ``queries``, ``latent``, ``absorb``, ``output`` of MLA)."""
         x = stream.read(self.attention_query(), self.input_layernorm)  # the pre-norm inside AttnRes' recomputable region
-        if cache is not None:  # inference: the token mixer reads and extends this sequence's cached state
-            a = cache.attend(self, x)
+        if mixer is not None:
+            a = mixer.attend(self, x)
         elif self.kind == "kda":
             a, _ = self.self_attn(x, cu_seqlens)
         else:

@@ -31,17 +31,18 @@ class K3Model(nn.Module):
             self.output_attn_res_proj, self.output_attn_res_norm = q.proj, q.norm
         self.gradient_checkpointing = False
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache=None) -> torch.Tensor:
-        """input_ids [B,T] -> pre-final-norm hidden [B,T,D] (the final AttnRes mix). ``cache``: an inference
-        step's view of the KV / KDA state (k3.inference), which the token mixers read and extend."""
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None, mixer=None) -> torch.Tensor:
+        """input_ids [B,T] -> pre-final-norm hidden [B,T,D] (the final AttnRes mix). ``mixer``: where the token
+        mixers' state and kernels come from (``DecoderLayer.forward``): k3.inference's paged prefill / decode,
+        k3.distributed's context parallelism; None for a plain forward."""
         c = self.config
         stream = DepthStream(self.embed_tokens(input_ids), c.attn_res,
                              DepthStream.sublayer_block_size(c.attn_res, c.attn_res_block_size), c.rms_norm_eps)
         for layer in self.layers:
-            if self.gradient_checkpointing and self.training and cache is None:
+            if self.gradient_checkpointing and self.training and mixer is None:
                 _checkpointed(layer, stream, cu_seqlens)
             else:
-                layer(stream, cu_seqlens, cache)
+                layer(stream, cu_seqlens, mixer)
         q = _Query(self.output_attn_res_proj, self.output_attn_res_norm) if c.attn_res != "none" else None
         return stream.output(q)
 
@@ -78,6 +79,15 @@ class K3ForCausalLM(nn.Module):
         self.mtp = nn.ModuleList(MTPLayer(config, i) for i in range(config.num_nextn_predict_layers))
         init_weights(self, config.num_hidden_layers)
 
+    def fuse_projections(self) -> "K3ForCausalLM":
+        """For inference: every layer's projections of one input become one matmul (the weights become views of
+        one tensor per layer, nothing is copied; ``k3.layers.fuse``). Used only where no gradient is needed, so
+        training, checkpoints and optimisers see the same parameters. Call it after moving the model."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "fuse_projections") and getattr(m, "in_proj", None) is None:
+                m.fuse_projections()
+        return self
+
     def set_kda_backend(self, backend: str) -> None:
         """"auto" (fla-core on CUDA when importable), "torch" (the reference) or "fla", for every KDA layer."""
         from ..ops.kda import BACKENDS
@@ -89,7 +99,7 @@ class K3ForCausalLM(nn.Module):
                 m.backend = backend
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, mtp_weight: float = 0.3, cache=None,
+                labels: torch.Tensor | None = None, mtp_weight: float = 0.3, mixer=None,
                 return_logits: bool = True, loss_chunk: int = 4096) -> dict:
         """Returns {"logits" [B,T,V]} and, with ``labels`` (same layout as input_ids, shifted inside;
         -100 = ignore), "loss" = next-token CE (+ mtp_weight * "mtp_loss" when the config has MTP layers).
@@ -106,7 +116,7 @@ class K3ForCausalLM(nn.Module):
             raise ValueError("return_logits=False returns only losses: pass labels")
         if loss_chunk < 1:
             raise ValueError(f"loss_chunk must be >= 1; got {loss_chunk}")
-        h = self.model(input_ids, cu_seqlens, cache)
+        h = self.model(input_ids, cu_seqlens, mixer)
         normed = self.model.norm(h)
         out = {"logits": self.lm_head(normed)} if return_logits else {}
         if labels is None:

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["grouped_mm"]
+__all__ = ["grouped_mm", "fused_dtypes"]
+
+
+def fused_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes whose grouped matmul is one fused call on CUDA (no host read of the per-expert counts)."""
+    return (torch.bfloat16,) if hasattr(torch, "_grouped_mm") else ()
 
 
 def _can_fuse(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+    return (x.is_cuda and x.dtype in fused_dtypes()
             and x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0)
 
 

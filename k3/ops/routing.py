@@ -26,7 +26,7 @@ def select_experts(scores: torch.Tensor, bias: torch.Tensor | None, k: int, reno
     that is what lets Quantile Balancing move load without changing what a chosen expert contributes.
     """
     biased = scores if bias is None else scores + bias.detach().float()
-    idx = biased.topk(k, dim=-1).indices
+    idx = biased.topk(k, dim=-1, sorted=False).indices  # which experts, not their order: no sort kernel
     w = scores.gather(-1, idx)
     if renormalize:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)

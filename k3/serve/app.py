@@ -5,8 +5,10 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 (``n`` = 1). Every refused request is HTTP 400 with an OpenAI error body and the server keeps serving.
 
 From the engine the app uses: ``submit(GenerationRequest) -> handle`` (iterate for TokenEvents then one
-FinishEvent; ``handle.cancel()``), ``max_context``, ``model_name`` and ``tokenizer`` (to encode prompts and to spell tokens in logprobs), and
-``stats()`` when present (reported by /health). ``create_app`` neither starts nor stops the engine; ``run_server`` does both.
+FinishEvent; ``handle.cancel()``), ``max_context``, ``model_name`` and ``tokenizer`` (to encode prompts and to spell
+tokens in logprobs), ``stats()`` when present (reported by /health) and ``failed`` when present (the reason the
+engine died: /health then answers 503, waiting requests end with a 500 that says why, new ones get a 503).
+``create_app`` neither starts nor stops the engine; ``run_server`` does both.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from ..inference.api import GenerationRequest, SamplingParams, TokenEvent
+from ..inference.engine import EngineFailed
 from .chat import ChatTemplate
 from .format import DONE, ChatFormat, CompletionFormat, Formatter, sse
 from .protocol import APIError, ChatRequest, CompletionRequest, error_body, validation_message
@@ -27,7 +30,7 @@ from .stream import EventStream, collect, events
 
 __all__ = ["create_app", "run_server"]
 
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat: until the context limit
 
 
 def _check_common(engine: Any, req: CompletionRequest | ChatRequest) -> None:
@@ -70,7 +73,8 @@ def _check_context(engine: Any, n_prompt: int, max_tokens: int) -> None:
                        "shorten the prompt or lower max_tokens", "max_tokens", "context_length_exceeded")
 
 
-def _params(req: CompletionRequest | ChatRequest, max_tokens: int, stop: list[str], logprobs: int) -> SamplingParams:
+def _params(req: CompletionRequest | ChatRequest, max_tokens: int | None, stop: list[str], logprobs: int
+            ) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                               top_k=max(req.top_k or 0, 0), top_p=1.0 if req.top_p is None else req.top_p,
@@ -82,6 +86,8 @@ def _params(req: CompletionRequest | ChatRequest, max_tokens: int, stop: list[st
 def _submit(engine: Any, ids: list[int], params: SamplingParams, request_id: str) -> Any:
     try:
         return engine.submit(GenerationRequest(prompt_ids=tuple(ids), params=params, request_id=request_id))
+    except EngineFailed as e:
+        raise APIError(str(e), None, "engine_failed", status=503, type="server_error") from None
     except ValueError as e:  # the engine refuses what it cannot run; say why
         raise APIError(str(e)) from None
 
@@ -89,6 +95,11 @@ def _submit(engine: Any, ids: list[int], params: SamplingParams, request_id: str
 def _aborted() -> APIError:
     return APIError("the engine aborted this request (it may be shutting down); retry later", None,
                     "engine_aborted", status=503, type="server_error")
+
+
+def _engine_error(finish) -> APIError:
+    return APIError(f"generation failed: the engine failed ({finish.error}); the server must be restarted", None,
+                    "engine_failed", status=500, type="server_error")
 
 
 async def _sse(fmt: Formatter, handle: Any):
@@ -107,6 +118,9 @@ async def _sse(fmt: Formatter, handle: Any):
             if event.reason == "abort":
                 yield sse(_aborted().body())
                 break
+            if event.reason == "error":
+                yield sse(_engine_error(event).body())
+                break
             # text still held back (a possible stop-string prefix, an unfinished character) is sent now
             tail = event.text[len(streamed):] if event.text.startswith(streamed) else ""
             yield sse(fmt.chunk(tail, [], event.reason))
@@ -123,6 +137,8 @@ async def _respond(fmt: Formatter, handle: Any, request: Request, stream: bool):
     tokens, finish = await collect(handle, request)
     if finish.reason == "abort":
         raise _aborted()
+    if finish.reason == "error":
+        raise _engine_error(finish)
     return fmt.response(tokens, finish)
 
 
@@ -156,6 +172,9 @@ def create_app(engine: Any, chat_template: ChatTemplate | None = None) -> FastAP
 
     @app.get("/health")
     async def health():
+        failed = getattr(engine, "failed", None)
+        if failed:
+            return JSONResponse({"status": "failed", "model": engine.model_name, "error": failed}, status_code=503)
         stats = engine.stats() if hasattr(engine, "stats") else {}
         return {"status": "ok", "model": engine.model_name, **stats}
 
@@ -192,12 +211,8 @@ def create_app(engine: Any, chat_template: ChatTemplate | None = None) -> FastAP
             raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
         text = template.render([{"role": m.role, "content": m.text()} for m in req.messages])
         ids = await _prompt_ids(tokenizer, text)
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        if max_tokens is None:
-            max_tokens = engine.max_context - len(ids)
-            if max_tokens < 1:
-                max_tokens = 1  # let _check_context explain that the messages alone fill the context
-        _check_context(engine, len(ids), max_tokens)
+        max_tokens = req.max_completion_tokens or req.max_tokens  # None: until EOS, a stop or the context limit
+        _check_context(engine, len(ids), max_tokens or 1)
         stops = req.stop_list() + [s for s in template.stop if s not in req.stop_list()]
         params = _params(req, max_tokens, stops, req.top_logprobs or 0)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

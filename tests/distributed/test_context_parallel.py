@@ -3,7 +3,7 @@
 One spawn of 2 ranks (gloo on CPU, or NCCL on cuda:rank with K3_TEST_BACKEND=nccl); every rank builds the same
 tiny model (no MTP) from one seed, runs the single-process forward/backward on the whole packed row, then the CP
 forward on its slice with
-``cache=ContextParallel(...)``, backward of its share of the global mean loss, all-reduces (sums) parameter
+``mixer=ContextParallel(...)``, backward of its share of the global mean loss, all-reduces (sums) parameter
 gradients and compares. Legend: T_global tokens in the packed row, [start, end) this rank's segment.
 """
 
@@ -53,7 +53,7 @@ def _check_case(rank, world, model, layout, split):
     for m in mlas:
         m.max_logit = None
     cp = ContextParallel(None, start, end, cu)
-    logits = model(ids[:, start:end], cache=cp)["logits"]
+    logits = model(ids[:, start:end], mixer=cp)["logits"]
     for m, r in zip(mlas, ref_max):  # QK-clip's statistic: the MAX over ranks equals one process's
         got = m.max_logit.clone()
         dist.all_reduce(got, op=dist.ReduceOp.MAX)

@@ -40,7 +40,7 @@ def test_mla_absorbed_equals_naive(preset):
     x = torch.randn(2, 10, cfg.hidden_size)
     pos = torch.arange(10)[None].expand(2, 10)
     naive = layer(x, positions=pos)
-    c_kv, k_pe = layer.latent(x, pos)
+    c_kv, k_pe = layer.project(x, pos)[2:4]
     mask = torch.ones(10, 10, dtype=torch.bool).tril()[None].expand(2, 10, 10)
     absorbed = layer.attend_absorbed(x, c_kv, k_pe, mask, pos)
     torch.testing.assert_close(absorbed, naive, atol=1e-5, rtol=1e-4)
@@ -50,8 +50,8 @@ def test_mla_cache_is_position_independent_with_nope():
     cfg = K3Config.preset("tiny")
     layer = GatedMLA(cfg)
     x = torch.randn(1, 5, cfg.hidden_size)
-    c1, p1 = layer.latent(x)
-    c2, p2 = layer.latent(x, torch.arange(100, 105)[None])
+    c1, p1 = layer.project(x)[2:4]
+    c2, p2 = layer.project(x, torch.arange(100, 105)[None])[2:4]
     torch.testing.assert_close(c1, c2)
     torch.testing.assert_close(p1, p2)
     assert c1.shape[-1] + p1.shape[-1] == cfg.kv_lora_rank + cfg.qk_rope_head_dim

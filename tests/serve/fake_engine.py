@@ -94,7 +94,7 @@ class FakeEngine:
 
     def submit(self, request: GenerationRequest) -> FakeHandle:
         n = len(request.prompt_ids)
-        if n + request.params.max_tokens > self.max_context:
+        if n + (request.params.max_tokens or 1) > self.max_context:
             raise ValueError(f"prompt ({n}) + max_tokens ({request.params.max_tokens}) > {self.max_context}")
         handle = FakeHandle(self, request)
         prompt = tuple(request.prompt_ids)
@@ -143,7 +143,7 @@ class FakeEngine:
         s.handle.events.put(TokenEvent(token, text, -0.25 * (token % 4 + 1), top))
         if stopped:
             return self._finish(s, "stop", flush=False)
-        if s.n >= params.max_tokens:
+        if s.n >= (params.max_tokens or self.max_context - len(s.handle.request.prompt_ids)):
             return self._finish(s, "length")
         return False
 

@@ -125,9 +125,9 @@ def test_chat_shape_and_template(client, engine):
     body = chat(client, stop="and").json()  # user stops come first, the template's is added
     assert engine.submitted[-1].params.stop == ("and", "<|im_end|>")
     assert body["choices"][0]["message"]["content"] == "Hello, wörld! 漢字 "
-    chat(client)  # no max_tokens: the rest of the context
+    chat(client)  # no max_tokens: until EOS, a stop string or the engine's context limit
     req = engine.submitted[-1]
-    assert len(req.prompt_ids) + req.params.max_tokens == engine.max_context
+    assert req.params.max_tokens is None
     parts = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]
     assert chat(client, messages=parts).status_code == 200
     assert engine.tokenizer.decode(list(engine.submitted[-1].prompt_ids)).startswith("<|im_start|>user\nhi<|im_end|>")

@@ -26,13 +26,11 @@ def _health(url):
         return json.loads(r.read())
 
 
-@pytest.fixture(scope="module")
-def server():
+def _serve(*flags):
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "k3", "serve", "--preset", "tiny", "--random-init", "--port", str(port),
-                             "--num-pages", "512", "--page-tokens", "64", "--hash-block", "64", "--checkpoint-every", "2",
-                             "--device", "cpu"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+                             "--device", "cpu", *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -50,8 +48,24 @@ def server():
 
 
 @pytest.fixture(scope="module")
+def server():
+    yield from _serve("--num-pages", "512", "--page-tokens", "64", "--hash-block", "64", "--checkpoint-every", "2")
+
+
+@pytest.fixture(scope="module")
+def default_server():
+    """`k3 serve` with every engine option at its default (the pool: 512 pages of 1024 tokens on the CPU)."""
+    yield from _serve()
+
+
+@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def default_client(default_server):
+    return openai.OpenAI(base_url=default_server + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def test_streaming_joins_to_the_non_streaming_text(client):
@@ -86,7 +100,8 @@ def test_prefix_cache_reports_cached_tokens(client):
     second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert cached > 0 and cached % 128 == 0 and cached < second.usage.prompt_tokens
+    n = second.usage.prompt_tokens  # the repeat hits at the prompt's last full 64-token block
+    assert cached == (n - 1) // 64 * 64 and cached > 0
     assert second.choices[0].text == first.choices[0].text
 
 
@@ -116,5 +131,30 @@ def test_disconnect_mid_stream_frees_the_cache(client, server):
     stream.close()
     deadline = time.monotonic() + 20
     while (h := _health(server))["running"] or h["pages_in_use"]:
+        assert time.monotonic() < deadline, h
+        time.sleep(0.1)
+
+
+def test_a_repeated_1379_token_prompt_hits_at_its_last_512_token_block(default_client):
+    ids = [(7 * i) % 1000 + 10 for i in range(1379)]
+    first = default_client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0)
+    second = default_client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 1024
+    assert second.choices[0].text == first.choices[0].text
+
+
+def test_chat_without_max_tokens_on_a_default_server(default_client, default_server):
+    """What most OpenAI clients send: no max_tokens. It generates until EOS or the context limit; the client reads
+    a few tokens and leaves, and the pages come back."""
+    models = default_client.models.list().data
+    assert models[0].max_model_len == _health(default_server)["max_context"]  # the advertised limit is the true one
+    stream = default_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                    stream=True, temperature=0.8, seed=1)
+    got = [c for _, c in zip(range(12), stream)]
+    assert len(got) == 12 and all(c.choices[0].finish_reason is None for c in got[1:])
+    stream.close()
+    deadline = time.monotonic() + 20
+    while (h := _health(default_server))["running"] or h["pages_in_use"]:
         assert time.monotonic() < deadline, h
         time.sleep(0.1)

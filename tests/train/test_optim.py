@@ -8,7 +8,7 @@ import torch
 
 from k3 import K3Config, K3ForCausalLM
 from k3.layers.sequence.kda import KimiDeltaAttention
-from k3.layers.sequence.mla import GatedMLA, max_causal_logit, rotary
+from k3.layers.sequence.mla import GatedMLA, max_causal_logit
 from k3.layers.width.latent_moe import LatentMoE
 from k3.train.optim import CombinedOptimizer, Muon, build_optimizer, describe_param_groups, newton_schulz
 from k3.train.optim.muon import block_shape, parse_split, to_blocks
@@ -301,10 +301,7 @@ def brute_max_logit(layer, x):
     """Per-head max over causal pairs of q.k * scale, straight from the weights."""
     B, T, _ = x.shape
     pos = torch.arange(T)[None].expand(B, T)
-    q_nope, q_pe = layer._query(x)
-    c_kv, k_pe = layer.latent(x, pos)
-    if layer.use_rope:
-        q_pe = rotary(q_pe, pos, layer.rope_theta)
+    q_nope, q_pe, c_kv, k_pe, _ = layer.project(x, pos)  # q_pe and k_pe rotated when the layer uses RoPE
     k_nope = layer.kv_b_proj(c_kv).view(B, T, layer.num_heads, -1)[..., : layer.nope]
     s = (torch.einsum("bthn,bshn->bhts", q_nope, k_nope) + torch.einsum("bthp,bsp->bhts", q_pe, k_pe)) * layer.scale
     causal = torch.ones(T, T, dtype=torch.bool).tril()

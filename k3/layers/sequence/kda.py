@@ -11,12 +11,14 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ...config import K3Config
 from ...ops import kda as kda_ops
 from ...ops.norms import gated_rms_norm, l2_norm
 from ...ops.short_conv import short_conv
+from ..fuse import fuse_linears, use_fused
 
 
 @dataclass
@@ -65,6 +67,7 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(H * K))
         self.o_norm = _HeadNorm(K, config.rms_norm_eps)
         self.o_proj = nn.Linear(H * K, D, bias=False)
+        self.in_proj: torch.Tensor | None = None  # every projection of x in one tensor (fuse_projections)
         self.reset_gate_parameters()
 
     @torch.no_grad()
@@ -78,34 +81,66 @@ class KimiDeltaAttention(nn.Module):
         else:
             self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
 
-    def _output_gate(self, x):
-        return self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+    def fuse_projections(self) -> None:
+        """Inference: q, k, v, f_a, b and the output gate's first projection become one matmul (``k3.layers.fuse``)."""
+        gate = self.g_proj if hasattr(self, "g_proj") else self.g_a_proj
+        self.in_proj, self._in_sizes = fuse_linears([self.q_proj, self.k_proj, self.v_proj, self.f_a_proj,
+                                                     self.b_proj, gate])
+
+    # The token mixer in three pieces, so that inference (paged, in-place state) and context parallelism
+    # (halo'd convs, KCP) supply only the short convs and the recurrence: projections -> [convs] ->
+    # activations -> [kernel] -> output.
+    def projections(self, x: torch.Tensor):
+        """x [B,T,D] -> q, k, v before their short convs [B,T,H*K] each, the gate's raw input f [B,T,H,K]
+        (before A_log and dt_bias), the raw beta logits b [B,T,H] and the output gate's logits [B,T,H*K]."""
+        B, T, _ = x.shape
+        if use_fused(self.in_proj):  # inference: one matmul for every projection of x
+            q, k, v, fa, b, g = F.linear(x, self.in_proj).split(self._in_sizes, dim=-1)
+        else:
+            q, k, v, fa, b = self.q_proj(x), self.k_proj(x), self.v_proj(x), self.f_a_proj(x), self.b_proj(x)
+            g = self.g_proj(x) if hasattr(self, "g_proj") else self.g_a_proj(x)
+        if not hasattr(self, "g_proj"):  # Kimi Linear's low-rank output gate
+            g = self.g_b_proj(g)
+        return q, k, v, self.f_b_proj(fa).view(B, T, self.num_heads, self.head_dim), b, g
+
+    def activations(self, q, k, v, f, b):
+        """After the convs: per-head L2-normalised q, k and v [B,T,H,K], log-decay g [B,T,H,K] fp32, beta
+        [B,T,H] fp32."""
+        B, T, _ = q.shape
+        H, K = self.num_heads, self.head_dim
+        g = kda_ops.kda_gate(f, self.A_log, self.dt_bias, self.gate_kind, self.lower_bound)
+        return (l2_norm(q.view(B, T, H, K)), l2_norm(k.view(B, T, H, K)), v.view(B, T, H, K), g,
+                torch.sigmoid(b.float()))
+
+    @property
+    def kernel_lower_bound(self) -> float | None:
+        """The gate's floor as the kernels take it (None for the unbounded softplus gate)."""
+        return self.lower_bound if self.gate_kind == "lower_bound" else None
+
+    def output(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """o [B,T,H,K] from the recurrence -> per-head RMSNorm gated by sigmoid(gate) -> o_proj -> [B,T,D]."""
+        B, T, H, K = o.shape
+        o = self.o_norm(o, gate.view(B, T, H, K))
+        return self.o_proj(o.reshape(B, T, H * K).to(gate.dtype))
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, state: KDAState | None = None,
                 output_state: bool = False) -> tuple[torch.Tensor, KDAState | None]:
-        B, T, _ = x.shape
-        H, K = self.num_heads, self.head_dim
+        T = x.shape[1]
         want = output_state or state is not None
-        q, cq = self.q_conv1d(self.q_proj(x), state and state.conv_q, cu_seqlens, want)
-        k, ck = self.k_conv1d(self.k_proj(x), state and state.conv_k, cu_seqlens, want)
-        v, cv = self.v_conv1d(self.v_proj(x), state and state.conv_v, cu_seqlens, want)
-        q, k = l2_norm(q.view(B, T, H, K)), l2_norm(k.view(B, T, H, K))
-        v = v.view(B, T, H, K)
-        g = kda_ops.kda_gate(self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K), self.A_log, self.dt_bias,
-                             self.gate_kind, self.lower_bound)
-        beta = torch.sigmoid(self.b_proj(x).float())
-        lb = self.lower_bound if self.gate_kind == "lower_bound" else None
+        q, k, v, f, b, gate = self.projections(x)
+        q, cq = self.q_conv1d(q, state and state.conv_q, cu_seqlens, want)
+        k, ck = self.k_conv1d(k, state and state.conv_k, cu_seqlens, want)
+        v, cv = self.v_conv1d(v, state and state.conv_v, cu_seqlens, want)
+        q, k, v, g, beta = self.activations(q, k, v, f, b)
         h0 = state.recurrent if state is not None else None
-        if T == 1 and cu_seqlens is None:  # decode: the recurrence itself on a fixed-size state
+        if T == 1 and cu_seqlens is None:  # one token: the recurrence itself on a fixed-size state
             o, hT = kda_ops.recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=want,
-                                          lower_bound=lb, backend=self.backend)
+                                          lower_bound=self.kernel_lower_bound, backend=self.backend)
         else:  # training / prefill: chunkwise-parallel form
-            o, hT = kda_ops.chunk_kda(q, k, v, g, beta,
-                                      initial_state=h0, output_final_state=want, cu_seqlens=cu_seqlens,
-                                      lower_bound=lb, backend=self.backend)
-        o = self.o_norm(o, self._output_gate(x).view(B, T, H, K))
-        y = self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
-        return y, (KDAState(hT, cq, ck, cv) if want else None)
+            o, hT = kda_ops.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=want,
+                                      cu_seqlens=cu_seqlens, lower_bound=self.kernel_lower_bound,
+                                      backend=self.backend)
+        return self.output(o, gate), (KDAState(hT, cq, ck, cv) if want else None)
 
 
 class _HeadNorm(nn.Module):

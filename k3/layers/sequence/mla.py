@@ -19,9 +19,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from typing import NamedTuple
+
 from ...config import K3Config
 from ...ops.varlen import GROUP_OVERHEAD, cached_plan, grouped_documents
+from ..fuse import fuse_linears, use_fused
 from ..norm import RMSNorm
+
+
+class MLAInputs(NamedTuple):
+    """Everything a GatedMLA layer computes from its input x [B,T,D] before attention."""
+
+    q_nope: torch.Tensor  # [B,T,H,Dn]
+    q_pe: torch.Tensor  # [B,T,H,Dr] (rotated when the layer uses RoPE)
+    c_kv: torch.Tensor  # [B,T,R] normed: what the cache stores per token, with k_pe
+    k_pe: torch.Tensor  # [B,T,Dr] shared by all heads (rotated when the layer uses RoPE)
+    gate: torch.Tensor | None  # [B,T,H*Dv] output gate logits, None without the gate
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -153,24 +166,37 @@ class GatedMLA(nn.Module):
         self.kv_b_proj = nn.Linear(self.rank, H * (self.nope + self.dv), bias=False)  # per head: [k_nope | v]
         self.o_proj = nn.Linear(H * self.dv, D, bias=False)
         self.g_proj = nn.Linear(D, H * self.dv, bias=False) if config.mla_use_output_gate else None
+        self.in_proj: torch.Tensor | None = None  # every projection of x in one tensor (fuse_projections)
 
-    def _query(self, x):
+    def fuse_projections(self) -> None:
+        """Inference: the query's first projection, the latent projection and the output gate become one matmul."""
+        first = self.q_a_proj if hasattr(self, "q_a_proj") else self.q_proj
+        self.in_proj, self._in_sizes = fuse_linears([first, self.kv_a_proj_with_mqa]
+                                                    + ([self.g_proj] if self.g_proj is not None else []))
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> MLAInputs:
+        """x [B,T,D] -> queries, the latents the cache stores, and the output gate (``positions`` [B,T] for RoPE)."""
         B, T, _ = x.shape
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
-        q = q.view(B, T, self.num_heads, self.nope + self.pe)
-        return q[..., : self.nope], q[..., self.nope:]
-
-    def latent(self, x: torch.Tensor, positions: torch.Tensor | None = None):
-        """What the cache stores per token: c_kv [B,T,R] (normed) and k_pe [B,T,Dr]."""
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.pe], dim=-1)
+        first = self.q_a_proj if hasattr(self, "q_a_proj") else self.q_proj
+        if use_fused(self.in_proj):  # inference: one matmul for every projection of x
+            parts = F.linear(x, self.in_proj).split(self._in_sizes, dim=-1)
+            q, kv, gate = parts[0], parts[1], parts[2] if len(parts) > 2 else None
+        else:
+            q, kv = first(x), self.kv_a_proj_with_mqa(x)
+            gate = self.g_proj(x) if self.g_proj is not None else None
+        if hasattr(self, "q_a_proj"):
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        q_nope, q_pe = q.view(B, T, self.num_heads, self.nope + self.pe).split([self.nope, self.pe], dim=-1)
+        c_kv, k_pe = kv.split([self.rank, self.pe], dim=-1)
         if self.use_rope:
-            k_pe = rotary(k_pe, positions, self.rope_theta)
-        return self.kv_a_layernorm(c_kv), k_pe
+            q_pe, k_pe = rotary(q_pe, positions, self.rope_theta), rotary(k_pe, positions, self.rope_theta)
+        return MLAInputs(q_nope, q_pe, self.kv_a_layernorm(c_kv), k_pe, gate)
 
-    def _gate_out(self, x, o):
-        if self.g_proj is not None:
-            o = o * torch.sigmoid(self.g_proj(x).float())
-        return self.o_proj(o.to(x.dtype))
+    def output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """o [B,T,H*Dv] attention output -> sigmoid(gate) -> o_proj -> [B,T,D]."""
+        if gate is not None:
+            o = o * torch.sigmoid(gate.float())
+        return self.o_proj(o.to(self.o_proj.weight.dtype))
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -179,10 +205,7 @@ class GatedMLA(nn.Module):
         H = self.num_heads
         if self.use_rope and positions is None:
             positions = _positions(B, T, cu_seqlens, x.device)
-        q_nope, q_pe = self._query(x)
-        c_kv, k_pe = self.latent(x, positions)
-        if self.use_rope:
-            q_pe = rotary(q_pe, positions, self.rope_theta)
+        q_nope, q_pe, c_kv, k_pe, gate = self.project(x, positions)
         k_nope, v = self.kv_b_proj(c_kv).view(B, T, H, self.nope + self.dv).split([self.nope, self.dv], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [B,H,T,Dn+Dr]
         k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, T, H, self.pe)], dim=-1).transpose(1, 2)
@@ -204,30 +227,39 @@ class GatedMLA(nn.Module):
         if m is not None:
             self.max_logit = m if self.max_logit is None else torch.maximum(self.max_logit, m)
         o = o.transpose(1, 2).reshape(B, T, H * self.dv)  # [B,T,H*Dv]
-        return self._gate_out(x, o)
+        return self.output(o, gate)
 
     def absorbed_weights(self):
         """W_uk [H,Dn,R] and W_uv [H,Dv,R], views into kv_b_proj."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.dv, self.rank)
         return w[:, : self.nope], w[:, self.nope:]
 
-    def attend_absorbed(self, x: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-                        mask: torch.Tensor | None, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode path: x [B,T,D] new tokens; c_kv [B,S,R], k_pe [B,S,Dr] the cache INCLUDING the new tokens;
-        mask [B,T,S] boolean (True = may attend) or None for all-visible."""
-        B, T, _ = x.shape
-        q_nope, q_pe = self._query(x)
-        if self.use_rope:
-            q_pe = rotary(q_pe, positions, self.rope_theta)
-        w_uk, w_uv = self.absorbed_weights()
-        q_lat = torch.einsum("bthn,hnr->bthr", q_nope.float(), w_uk.float())  # query moved into latent space
-        scores = (torch.einsum("bthr,bsr->bhts", q_lat, c_kv.float())
-                  + torch.einsum("bthp,bsp->bhts", q_pe.float(), k_pe.float())) * self.scale
+    def absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope [B,T,H,Dn] -> q_lat [B,T,H,R] fp32: W_uk folded into the query, so scores are q_lat . c_kv."""
+        w_uk, _ = self.absorbed_weights()
+        return torch.einsum("bthn,hnr->bthr", q_nope.float(), w_uk.float())
+
+    def unabsorb(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """o_lat [B,T,H,R] (attention output in the latent space) -> o [B,T,H*Dv] fp32: W_uv applied after."""
+        B, T = o_lat.shape[:2]
+        _, w_uv = self.absorbed_weights()
+        return torch.einsum("bthr,hvr->bthv", o_lat.float(), w_uv.float()).reshape(B, T, -1)
+
+    def attend_latent(self, inp: MLAInputs, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                      mask: torch.Tensor | None) -> torch.Tensor:
+        """Absorbed attention of ``inp``'s queries over c_kv [B,S,R], k_pe [B,S,Dr] (the cache INCLUDING the new
+        tokens) in the latent space; mask [B,T,S] boolean (True = may attend) or None. -> o [B,T,H*Dv] fp32."""
+        scores = (torch.einsum("bthr,bsr->bhts", self.absorb(inp.q_nope), c_kv.float())
+                  + torch.einsum("bthp,bsp->bhts", inp.q_pe.float(), k_pe.float())) * self.scale
         if mask is not None:
             scores = scores.masked_fill(~mask[:, None], float("-inf"))
-        o_lat = torch.einsum("bhts,bsr->bthr", scores.softmax(-1), c_kv.float())
-        o = torch.einsum("bthr,hvr->bthv", o_lat, w_uv.float()).reshape(B, T, -1)
-        return self._gate_out(x, o)
+        return self.unabsorb(torch.einsum("bhts,bsr->bthr", scores.softmax(-1), c_kv.float()))
+
+    def attend_absorbed(self, x: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                        mask: torch.Tensor | None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole layer on x [B,T,D] over a given cache (c_kv, k_pe including x's own latents), absorbed."""
+        inp = self.project(x, positions)
+        return self.output(self.attend_latent(inp, c_kv, k_pe, mask), inp.gate)
 
 
 def _positions(B, T, cu_seqlens, device):

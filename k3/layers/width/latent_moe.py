@@ -10,12 +10,15 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ...config import K3Config
 from ...ops.grouped_mm import grouped_mm
+from ...ops.moe_decode import decode_applies, expert_decode
 from ...ops.routing import bincount
 from ...ops.situ import glu
+from ..fuse import fuse_linears, use_fused
 from ..norm import RMSNorm
 from ..regions import region
 from .mlp import GatedMLP
@@ -48,6 +51,8 @@ class ExpertBank(nn.Module):
         saves h and w h [M,I] in the compute dtype instead of the expert output [M,L] in fp32, and forms the
         weight's gradient as rowsum(h * (dy W2)) from the act output and the gradient the down projection needs
         anyway (SonicMoE's rewrite); equal to weighting afterwards up to float rounding."""
+        if decode_applies(z, idx):  # a few tokens on CUDA, no gradient: two fused kernels (k3.ops.moe_decode)
+            return expert_decode(z, weights, idx, self.w1, self.w3, self.w2, self.act, self.b1, self.b2)
         N, k = idx.shape
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)  # rows grouped by expert
@@ -77,6 +82,19 @@ class LatentMoE(nn.Module):
         self.shared_experts = GatedMLP(config, D, shared) if shared else None
         self.record_routing = False  # the trainer's balancer reads self.last_routing when set
         self.last_routing: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.in_proj: torch.Tensor | None = None  # down projection and shared gate/up in one (fuse_projections)
+
+    def fuse_projections(self) -> None:
+        """Inference: the latent down projection and the shared experts' gate and up projections become one
+        matmul (the router stays apart: it is computed in fp32)."""
+        lins = [self.routed_expert_down_proj] if self.routed_expert_down_proj is not None else []
+        if self.shared_experts is not None:
+            lins += [self.shared_experts.gate_proj, self.shared_experts.up_proj]
+        if len(lins) > 1:
+            self.in_proj, self._in_sizes = fuse_linears(lins)
+        if self.shared_experts is not None:  # its gate and up rows, so that it is not fused a second time
+            self.shared_experts.in_proj = self.in_proj[-sum(self._in_sizes[-2:]):]
+            self.shared_experts._in_sizes = self._in_sizes[-2:]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -84,12 +102,19 @@ class LatentMoE(nn.Module):
         weights, idx, scores = self.gate(x)
         if self.record_routing:
             self.last_routing = (scores.detach(), idx.detach())
-        z = self.routed_expert_down_proj(x) if self.routed_expert_down_proj is not None else x
+        shared = None
+        if use_fused(self.in_proj):  # inference: z and the shared experts' gate/up from one matmul
+            parts = F.linear(x, self.in_proj).split(self._in_sizes, dim=-1)
+            z = parts[0] if self.routed_expert_down_proj is not None else x
+            gate, up = parts[-2:]
+            shared = self.shared_experts.down_proj(self.shared_experts.activation(gate, up))
+        else:
+            z = self.routed_expert_down_proj(x) if self.routed_expert_down_proj is not None else x
         u = region("moe_experts", self.experts, z, weights, idx)  # [N,L] fp32; recomputable from the dispatch input
         if self.routed_expert_norm is not None:
             u = self.routed_expert_norm(u)
         u = u.to(x.dtype)
         y = self.routed_expert_up_proj(u) if self.routed_expert_up_proj is not None else u
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
+            y = y + (shared if shared is not None else self.shared_experts(x))
         return y.reshape(shape)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ...config import K3Config
 from ...ops.situ import glu
+from ..fuse import fuse_linears, use_fused
 
 
 class GatedMLP(nn.Module):
@@ -17,6 +19,16 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.act = config.hidden_act
         self.b1, self.b2 = config.activation_situ_beta, config.activation_situ_linear_beta
+        self.in_proj: torch.Tensor | None = None  # gate and up in one tensor (fuse_projections)
+
+    def fuse_projections(self) -> None:
+        """Inference: gate_proj and up_proj become one matmul (``k3.layers.fuse``)."""
+        self.in_proj, self._in_sizes = fuse_linears([self.gate_proj, self.up_proj])
+
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return glu(gate, up, self.act, self.b1, self.b2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), self.act, self.b1, self.b2))
+        if use_fused(self.in_proj):
+            return self.down_proj(self.activation(*F.linear(x, self.in_proj).split(self._in_sizes, dim=-1)))
+        return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))

@@ -38,6 +38,9 @@ def fla_available(x: torch.Tensor) -> bool:
 def _require(x: torch.Tensor):
     if (why := fla_dtype_error(x)) is not None:
         raise ValueError(f"backend='fla': {why}")
+    if not x.is_cuda:
+        raise RuntimeError(f"backend='fla' runs fla-core's Triton kernels on CUDA tensors; these are on {x.device}: "
+                           "use backend='torch' (or 'auto') here")
     ops = _fla_ops()
     if ops is None:
         raise RuntimeError("backend='fla' needs fla-core and triton on a CUDA device: pip install 'k3[gpu]'")

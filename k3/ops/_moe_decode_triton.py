@@ -1,0 +1,80 @@
+"""Triton kernels of ``k3.ops.moe_decode`` (imported only when Triton is there). See that module for the math.
+
+Legend: N tokens, k experts per token, L latent width (BLOCK_L per step), I expert intermediate (BLOCK_I).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _up_kernel(Z, IDX, W1, W3, H, L, I, stride_we, B1, B2, K_TOP: tl.constexpr, SITU: tl.constexpr,
+               BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr):
+    r = tl.program_id(0)  # routed row: token r // K_TOP, its (r % K_TOP)-th expert
+    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mi = offs_i < I
+    e = tl.load(IDX + r).to(tl.int64)
+    n = r // K_TOP
+    acc1 = tl.zeros([BLOCK_I], tl.float32)
+    acc3 = tl.zeros([BLOCK_I], tl.float32)
+    for l0 in range(0, L, BLOCK_L):
+        offs_l = l0 + tl.arange(0, BLOCK_L)
+        ml = offs_l < L
+        z = tl.load(Z + n * L + offs_l, mask=ml, other=0.0).to(tl.float32)
+        rows = e * stride_we + offs_i[:, None] * L + offs_l[None, :]
+        m2 = mi[:, None] & ml[None, :]
+        acc1 += tl.sum(tl.load(W1 + rows, mask=m2, other=0.0).to(tl.float32) * z[None, :], 1)
+        acc3 += tl.sum(tl.load(W3 + rows, mask=m2, other=0.0).to(tl.float32) * z[None, :], 1)
+    g = acc1.to(H.dtype.element_ty).to(tl.float32)  # rounded as the grouped matmul's outputs are
+    u = acc3.to(H.dtype.element_ty).to(tl.float32)
+    if SITU:
+        h = B1 * _tanh(g / B1) * tl.sigmoid(g) * (B2 * _tanh(u / B2))
+    else:
+        h = g * tl.sigmoid(g) * u
+    tl.store(H + r * I + offs_i, h.to(H.dtype.element_ty), mask=mi)
+
+
+@triton.jit
+def _down_kernel(H, IDX, WT, W2, U, L, I, stride_we, K_TOP: tl.constexpr, BLOCK_L: tl.constexpr,
+                 BLOCK_I: tl.constexpr):
+    n = tl.program_id(0)
+    offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    ml = offs_l < L
+    acc = tl.zeros([BLOCK_L], tl.float32)
+    for j in tl.static_range(K_TOP):
+        e = tl.load(IDX + n * K_TOP + j).to(tl.int64)
+        p = tl.load(WT + n * K_TOP + j)
+        part = tl.zeros([BLOCK_L], tl.float32)
+        for i0 in range(0, I, BLOCK_I):
+            offs_i = i0 + tl.arange(0, BLOCK_I)
+            mi = offs_i < I
+            h = tl.load(H + (n * K_TOP + j) * I + offs_i, mask=mi, other=0.0).to(tl.float32)
+            w = tl.load(W2 + e * stride_we + offs_l[:, None] * I + offs_i[None, :], mask=ml[:, None] & mi[None, :],
+                        other=0.0).to(tl.float32)
+            part += tl.sum(w * h[None, :], 1)
+        acc += part.to(H.dtype.element_ty).to(tl.float32) * p  # rounded as the grouped matmul's outputs are
+    tl.store(U + n * L + offs_l, acc, mask=ml)
+
+
+def moe_decode_kernels(z, weights, idx, w1, w3, w2, situ: bool, b1: float, b2: float) -> torch.Tensor:
+    N, L = z.shape
+    k = idx.shape[1]
+    E, I, _ = w1.shape
+    dtype = w1.dtype if w1.dtype in (torch.bfloat16, torch.float16) else z.dtype
+    h = torch.empty(N * k, I, dtype=dtype, device=z.device)
+    u = torch.empty(N, L, dtype=torch.float32, device=z.device)
+    block_i, block_l = 16, min(128, triton.next_power_of_2(L))  # small blocks: enough programs at one token
+    _up_kernel[(N * k, triton.cdiv(I, block_i))](z, idx, w1, w3, h, L, I, w1.stride(0), b1, b2, K_TOP=k, SITU=situ,
+                                                 BLOCK_I=block_i, BLOCK_L=block_l, num_warps=4)
+    block_l2, block_i2 = 8, min(128, triton.next_power_of_2(I))
+    _down_kernel[(N, triton.cdiv(L, block_l2))](h, idx, weights, w2, u, L, I, w2.stride(0), K_TOP=k,
+                                                 BLOCK_L=block_l2, BLOCK_I=block_i2, num_warps=4)
+    return u

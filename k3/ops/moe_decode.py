@@ -1,0 +1,50 @@
+"""Routed experts for a few tokens (decode), fused (SPEC §4).
+
+Legend: N tokens, k experts per token, R = N*k routed rows, E experts, L latent width, I expert intermediate.
+For each token n and each of its experts e_j with weight p_j:
+
+    h_j = glu(W1[e_j] z_n, W3[e_j] z_n),   u_n = sum_j p_j W2[e_j] h_j              (fp32 out, as ExpertBank)
+
+The grouped path (``ExpertBank.forward``: sort rows by expert, count, gather, three grouped matmuls, scatter-add)
+is the reference and what training runs. For a decode step's few rows its ~15 small kernels per layer cost more
+than the arithmetic, so on CUDA two Triton kernels do it straight from the routing indices: one matrix-vector
+product per (row, expert) reading that expert's rows of W1/W3 with the activation fused, then one per token over
+its k experts' W2 with the weighted sum fused. Products are rounded to the weights' dtype where the grouped
+matmul's outputs are (before the activation, before the weighting), so the two paths agree to summation order.
+No gradient: inference only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["expert_decode", "decode_applies", "DECODE_ROWS"]
+
+# most routed rows (tokens x k) for the fused path; more rows reuse each expert's weights enough for grouped GEMMs
+DECODE_ROWS = int(os.environ.get("K3_MOE_DECODE_ROWS", "256"))
+
+
+def _triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # noqa: BLE001 - no triton (or no driver): the grouped path serves
+        return False
+    return True
+
+
+def decode_applies(z: torch.Tensor, idx: torch.Tensor) -> bool:
+    """The fused path runs: CUDA, no gradient needed, at most DECODE_ROWS routed rows, Triton importable."""
+    return z.is_cuda and not torch.is_grad_enabled() and idx.numel() <= DECODE_ROWS and _triton()
+
+
+def expert_decode(z, weights, idx, w1, w3, w2, act: str, b1: float, b2: float) -> torch.Tensor:
+    """z [N,L], weights [N,k] fp32, idx [N,k]; w1, w3 [E,I,L], w2 [E,L,I] -> u [N,L] fp32 (Triton kernels; they
+    also run under TRITON_INTERPRET=1 on CPU tensors)."""
+    from ._moe_decode_triton import moe_decode_kernels
+
+    if act not in ("situ", "silu", "swiglu"):
+        raise ValueError(f"unknown activation {act!r}; expected 'situ' or 'silu'")
+    return moe_decode_kernels(z.contiguous(), weights.float().contiguous(), idx.contiguous(), w1, w3, w2,
+                              act == "situ", float(b1), float(b2))

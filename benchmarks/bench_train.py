@@ -1,175 +1,333 @@
-"""Training throughput and MFU of a K3 model (SPEC §5 recipe: Muon + AdamW, Quantile Balancing, MTP, QK-clip),
-the fla backend against the pure-torch KDA reference on the same model, in one run.
+"""Training throughput and MFU of K3 models against a dense same-width peer, in one run.
 
-    python benchmarks/bench_train.py [--preset small] [--batch 8 --seq-len 4096] [--steps 10] [--json out.json]
-    python benchmarks/bench_train.py --docs uniform,corpus --backends fla    # the packing `k3 train` feeds
+    python benchmarks/bench_train.py                                  # small and medium, uniform and corpus, + peers
+    python benchmarks/bench_train.py --compile --memory-policy efficient --profile runs/profile
+    python benchmarks/bench_train.py --presets tiny --batch 2 --seq-len 128 --steps 2 --warmup 1 \\
+        --vocab-size 512 --data-max-bytes 300000                      # CPU smoke run
 
-``--docs``: "uniform" packs ``--batch`` documents of exactly ``--seq-len`` tokens into the step's row (one length,
-the kernels' best case); "corpus" feeds what ``k3 train`` feeds: the embedded standard-library corpus through
-k3's own pipeline (byte-level BPE of ``--vocab-size`` learned on its first 2 MB, documents packed into samples of
-``--seq-len`` tokens, ``--batch`` samples per step, a new batch every step), so documents of every length, cut at
-the sample edges. The model's vocabulary is the preset's for "uniform", the tokenizer's for "corpus".
+K3 rows: the `k3 train` step (k3.distributed.plan.ParallelPlan with every size 1: the loss, MTP and QK-clip
+tracking; backward; Quantile Balancing; gradient clipping; Muon + AdamW; QK-clip), bf16 autocast on CUDA, with the
+chosen ``--memory-policy`` and ``--compile`` (regional). ``--docs``: "uniform" packs ``--batch`` documents of
+exactly ``--seq-len`` tokens per step (the kernels' best case); "corpus" feeds what `k3 train` feeds: the embedded
+standard-library corpus through k3's own pipeline (a byte-level BPE of ``--vocab-size`` learned on its first 2 MB,
+documents packed into samples of ``--seq-len`` tokens, ``--batch`` samples per step, a new batch every step).
 
-MFU = (6 * active_params * tokens + attention FLOPs) / time / peak, peak = 780 TFLOP/s (measured bf16 on the H200).
-Attention FLOPs per document of T tokens, forward + backward (3x forward):
-  MLA (causal):  3 * T^2 * H * (d_qk + d_v)
-  KDA (chunked): 3 * T * H * (4 * K * V + 2 * C * (K + V)), C = 64
+Peer rows ("dense"): plain PyTorch written here, the model a K3 row would be without its mechanisms, at the same
+width and depth: pre-norm RMSNorm, causal SDPA attention (head dim 64, or 128 from hidden 2048 up), SwiGLU MLP of
+8/3 x hidden (rounded to 256), untied head, ``--batch`` rows of ``--seq-len`` tokens, fused AdamW, bf16 autocast,
+``torch.compile`` of the whole model with ``--compile``. The peer attends across the whole row (no document mask):
+its speed does not depend on the data, so it runs once per width.
+
+MFU = model FLOPs per step / step time / peak (``--peak-tflops``, default 780: measured bf16 dense matmul on an H200).
+Model FLOPs: 6 x N x tokens (N = active parameters without the input embedding, the head included) plus attention,
+forward + backward = 3 x forward, per document (K3) or row (peer) of T tokens and per attention layer:
+  causal softmax attention (K3's MLA, the peer):  3 * T^2 * H * (d_qk + d_v)     (2 FLOPs per MAC, half the pairs)
+  KDA, chunked (chunk C = 64):                    3 * T * H * (4 * K * V + 2 * C * (K + V))
+Step time: each step ends with one read of the device (as `k3 train`); min / median / max over ``--steps``.
+Peak memory: ``torch.cuda.max_memory_allocated`` over the timed steps (CUDA).
+
+``--profile DIR``: one more step per row under torch.profiler; DIR/<row>.txt holds the ops and kernels of most
+device time and the device's idle gaps between kernels (host-bound stretches), largest first.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import header  # noqa: E402
 from k3 import K3Config, K3ForCausalLM  # noqa: E402
+from k3.distributed.plan import ParallelDims, ParallelPlan  # noqa: E402
 from k3.model.params import count_parameters  # noqa: E402
 from k3.train.balance import ExpertBalancer  # noqa: E402
+from k3.train.compile import compile_model  # noqa: E402
+from k3.train.memory import POLICIES, ActivationManager  # noqa: E402
 from k3.train.optim import build_optimizer  # noqa: E402
 from k3.train.qk_clip import enable_max_logit_tracking, qk_clip_  # noqa: E402
 
-PEAK = 780e12
+
+def attention_flops(T_squared: float, layers: int, heads: int, d_qk: int, d_v: int) -> float:
+    """Forward + backward FLOPs of causal softmax attention over documents whose squared lengths sum to T_squared."""
+    return layers * 3 * T_squared * heads * (d_qk + d_v)
 
 
-def flops_per_step(cfg: K3Config, tokens: int, sq_tokens: float) -> float:
-    """Model FLOPs of one step of ``tokens`` tokens whose documents' squared lengths sum to ``sq_tokens``
-    (causal attention is quadratic per document)."""
+def k3_flops(cfg: K3Config, tokens: int, sq_tokens: float) -> float:
+    """Model FLOPs of one K3 step of ``tokens`` tokens whose documents' squared lengths sum to ``sq_tokens``."""
     dense = 6 * count_parameters(cfg)["active"] * tokens
     n_mla = len(cfg.full_attn_layers) + cfg.num_nextn_predict_layers
-    mla = n_mla * 3 * sq_tokens * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+    mla = attention_flops(sq_tokens, n_mla, cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim)
     K = cfg.kda_head_dim
     kda = len(cfg.kda_layers) * 3 * tokens * cfg.kda_num_heads * (4 * K * K + 2 * 64 * 2 * K)
     return dense + mla + kda
 
 
+# ---------------------------------------------------------------- the dense peer
+
+
+class DenseBlock(nn.Module):
+    def __init__(self, D: int, H: int, I: int):
+        super().__init__()
+        self.H = H
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(D), nn.RMSNorm(D)
+        self.qkv, self.out = nn.Linear(D, 3 * D, bias=False), nn.Linear(D, D, bias=False)
+        self.gate_up, self.down = nn.Linear(D, 2 * I, bias=False), nn.Linear(I, D, bias=False)
+
+    def forward(self, x):  # x [B,T,D]
+        B, T, D = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).view(B, T, 3, self.H, D // self.H).permute(2, 0, 3, 1, 4)  # [B,H,T,hd]
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(a.transpose(1, 2).reshape(B, T, D))
+        g, u = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(g) * u)
+
+
+class DensePeer(nn.Module):
+    """A plain dense decoder: what K3 at this width and depth would be without KDA, MLA, AttnRes and MoE."""
+
+    def __init__(self, vocab: int, D: int, layers: int):
+        super().__init__()
+        self.head_dim = 128 if D >= 2048 else 64
+        self.H, self.I = D // self.head_dim, 256 * round(8 * D / 3 / 256)
+        self.embed = nn.Embedding(vocab, D)
+        self.blocks = nn.ModuleList(DenseBlock(D, self.H, self.I) for _ in range(layers))
+        self.norm, self.head = nn.RMSNorm(D), nn.Linear(D, vocab, bias=False)
+
+    def forward(self, ids):  # ids [B,T] -> next-token loss
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x)).float()
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+    def flops(self, B: int, T: int) -> float:
+        n = sum(p.numel() for p in self.parameters()) - self.embed.weight.numel()
+        return 6 * n * B * T + attention_flops(B * T**2, len(self.blocks), self.H, self.head_dim, self.head_dim)
+
+
+# ---------------------------------------------------------------- timing and profiling
+
+
+def device_gaps(prof, top: int = 10) -> str:
+    """The device's idle time between kernels in a profiled step: total, share of the step, the largest gaps."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == DeviceType.CUDA)
+    if not kernels:
+        return "device gaps: no device kernels recorded (a CPU run)\n"
+    gaps, busy, end, last = [], 0.0, kernels[0][0], kernels[0][2]
+    for s, e, name in kernels:
+        if s > end:
+            gaps.append((s - end, last, name))
+        busy += max(0.0, e - max(s, end))
+        if e > end:
+            end, last = e, name
+    span = end - kernels[0][0]
+    lines = [f"device gaps: idle {(span - busy) / 1e3:.2f} ms of {span / 1e3:.2f} ms ({(span - busy) / span:.1%}), "
+             f"{len(gaps)} gaps between {len(kernels)} kernels; largest:"]
+    for us, before, after in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"  {us / 1e3:8.3f} ms  after {before[:60]}  before {after[:60]}")
+    return "\n".join(lines) + "\n"
+
+
+def profile_step(step, device: str, path: Path, top: int = 40) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        float(step())
+    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=80)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(table + "\n" + device_gaps(prof))
+    print(f"# profile written to {path}", flush=True)
+
+
+def timed(step, warmup: int, steps: int, device: str) -> tuple[list[float], float]:
+    """(per-step ms, last loss): ``warmup`` untimed steps, then ``steps`` each ending in one read of the device."""
+    for _ in range(warmup):  # fla's autotuning, torch.compile, the allocator
+        float(step())
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    each, loss = [], float("nan")
+    for _ in range(steps):
+        t = time.perf_counter()
+        loss = float(step())
+        each.append((time.perf_counter() - t) * 1e3)
+    return each, loss
+
+
+def row_stats(preset: str, name: str, docs: str, each: list[float], tokens: int, flops: float, peak: float,
+              device: str, **extra) -> dict:
+    med = statistics.median(each)
+    return {"preset": preset, "model": name, "docs": docs, "tokens_per_s": tokens / (med / 1e3),
+            "mfu": flops / (med / 1e3) / peak if device == "cuda" else None,
+            "step_ms": {"min": min(each), "median": med, "max": max(each)}, "each_step_ms": [round(x, 1) for x in each],
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None, **extra}
+
+
+# ---------------------------------------------------------------- rows
+
+
 def corpus_batches(batch: int, T: int, vocab_size: int, max_bytes: int):
-    """(vocab, endless batches {"input_ids" [1, batch*T], "cu_seqlens"}) as `k3 train` builds them."""
+    """(vocab, a function giving endless batches {"input_ids" [1, batch*T], "cu_seqlens"}) as `k3 train` builds
+    them (the tokenizer is learned once)."""
     from k3.data import PackedDataset, encode_documents, eos_id, leading_documents, stdlib_documents, train_tokenizer
 
     docs = stdlib_documents(max_bytes)
     tok = train_tokenizer(leading_documents(docs, 2_000_000), vocab_size)
-    data = PackedDataset(encode_documents(tok, docs), T, eos_id(tok), shuffle_seed=0)
-    return tok.get_vocab_size(), data.batches(batch)
+    ids = encode_documents(tok, docs)
+    return tok.get_vocab_size(), lambda: PackedDataset(ids, T, eos_id(tok), shuffle_seed=0).batches(batch)
 
 
-def bench(cfg: K3Config, backend: str, batch: int, T: int, steps: int, device: str, batches=None,
-          profile: int = 0) -> dict:
-    """One row: ``batches`` (an iterator of packed batches) or None for ``batch`` uniform documents of T tokens.
-    ``profile``: after the timed steps, print the ``profile`` kernels/ops of most device time in one more step."""
+def k3_row(preset: str, cfg: K3Config, args, batches=None) -> dict:
+    """One K3 row: ``batches`` (endless packed batches) or None for uniform documents."""
+    device = args.device
     torch.manual_seed(0)
-    model = K3ForCausalLM(cfg).to(device)
-    model.set_kda_backend(backend)
+    model = K3ForCausalLM(cfg).to(device).train()
+    model.set_kda_backend(args.kda_backend)
+    memory = ActivationManager(args.memory_policy)
+    memory.attach(model)
+    if args.compile:
+        compile_model(model)
+    plan = ParallelPlan(ParallelDims(), device=device)
     opt = build_optimizer(model, lr=1e-3)
     bal = ExpertBalancer(model)
     enable_max_logit_tracking(model)
-    ids = torch.randint(0, cfg.vocab_size, (1, batch * T), device=device)
-    cu = torch.arange(0, batch * T + 1, T, device=device)  # `batch` documents of T tokens, packed
+    B, T = args.batch, args.seq_len
+    uniform = {"input_ids": torch.randint(0, cfg.vocab_size, (1, B * T)), "cu_seqlens": torch.arange(0, B * T + 1, T)}
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
-    docs, sq, load = [], [], []  # documents (pieces) per step, their squared lengths' sum, MoE max/mean load
+    docs, sq, load = [], [], []
 
     def step():
-        nonlocal ids, cu
-        if batches is not None:
-            b = next(batches)
-            ids, cu = b["input_ids"].to(device), b["cu_seqlens"].to(device)
+        batch = next(batches) if batches is not None else uniform
+        cu = batch["cu_seqlens"]
         docs.append(len(cu) - 1)
         sq.append(float(cu.diff().double().pow(2).sum()))
-        with amp:
-            out = model(ids, cu_seqlens=cu, labels=ids, return_logits=False)
-        out["loss"].backward()
+        with amp, memory.forward(measure=False):
+            loss = plan.loss(model, batch, 0.3)
+        loss.loss.backward()
         bal.observe()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         qk_clip_(model, 100.0)
         load.append(bal.step()["load_max_over_mean"])  # the worst layer's routed-token max/mean
-        return out["loss"]
+        return loss.lm_loss
 
-    for _ in range(3):  # warm-up: fla's autotuning, allocator
-        step()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    t0, each = time.perf_counter(), []
-    for _ in range(steps):  # one device wait per step (as `k3 train`, which reads the loss): per-step times
-        t1 = time.perf_counter()
-        loss = float(step().detach())
-        each.append((time.perf_counter() - t1) * 1e3)
-    dt = (time.perf_counter() - t0) / steps
-    tokens = batch * T
-    if profile:
-        from torch.profiler import ProfilerActivity, profile as torch_profile
+    each, loss = timed(step, args.warmup, args.steps, device)
+    n = args.steps
+    kind = "uniform" if batches is None else "corpus"
+    row = row_stats(preset, f"k3 {preset}", kind, each, B * T, k3_flops(cfg, B * T, sum(sq[-n:]) / n),
+                    args.peak_tflops * 1e12, device, docs_per_step=sum(docs[-n:]) / n, loss=loss,
+                    load_max_over_mean=[round(x, 2) for x in load[-n:]])
+    if args.profile:
+        profile_step(step, device, Path(args.profile) / f"k3-{preset}-{kind}.txt")
+    return row
 
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-        with torch_profile(activities=acts) as prof:
-            float(step().detach())
-        key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-        print(f"# profile: {backend}, {'uniform' if batches is None else 'corpus'} documents, one step",
-              flush=True)
-        print(prof.key_averages().table(sort_by=key, row_limit=profile, max_name_column_width=70), flush=True)
-    return {"backend": backend, "docs": "uniform" if batches is None else "corpus",
-            "docs_per_step": sum(docs[3:3 + steps]) / steps, "step_s": dt, "tokens_per_s": tokens / dt,
-            "mfu": flops_per_step(cfg, tokens, sum(sq[3:3 + steps]) / steps) / dt / PEAK, "loss": loss,
-            "each_step_ms": [round(x, 1) for x in each],
-            "load_max_over_mean": [round(x, 2) for x in load[3:3 + steps]],
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
+
+def peer_row(preset: str, cfg: K3Config, args) -> dict:
+    device = args.device
+    torch.manual_seed(0)
+    model = DensePeer(cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers).to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)  # CPU too
+    fwd = torch.compile(model) if args.compile else model
+    B, T = args.batch, args.seq_len
+    ids = torch.randint(0, cfg.vocab_size, (B, T), device=device)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
+
+    def step():
+        with amp:
+            loss = fwd(ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    each, loss = timed(step, args.warmup, args.steps, device)
+    row = row_stats(preset, f"dense {cfg.hidden_size} x {cfg.num_hidden_layers}", "any", each, B * T, model.flops(B, T),
+                    args.peak_tflops * 1e12, device, params=sum(p.numel() for p in model.parameters()), loss=loss)
+    if args.profile:
+        profile_step(step, device, Path(args.profile) / f"dense-{preset}.txt")
+    return row
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="small")
+    ap.add_argument("--presets", default="small,medium")
+    ap.add_argument("--docs", default="uniform,corpus", help="comma-separated, of uniform, corpus (see above)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--backends", default="fla,torch")
-    ap.add_argument("--docs", default="uniform", help="comma-separated, of uniform, corpus (see above)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--no-peer", action="store_true", help="leave out the dense peer")
+    ap.add_argument("--kda-backend", choices=["auto", "torch", "fla"], default="auto")
+    ap.add_argument("--memory-policy", choices=sorted(POLICIES), default="keep")
+    ap.add_argument("--compile", action="store_true", help="regional torch.compile for K3, whole-model for the peer")
     ap.add_argument("--vocab-size", type=int, default=32768, help="--docs corpus: the BPE's size (k3 train's default)")
     ap.add_argument("--data-max-bytes", type=int, default=8_000_000, help="--docs corpus: bytes of the corpus")
-    ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="print the N ops/kernels of most device time in one extra step per row (torch.profiler)")
+    ap.add_argument("--peak-tflops", type=float, default=780.0, help="the device's bf16 peak for MFU")
+    ap.add_argument("--profile", default=None, metavar="DIR", help="profile one extra step per row into DIR")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    cfg = K3Config.preset(args.preset)
     kinds = args.docs.split(",")
     if set(kinds) - {"uniform", "corpus"}:
         ap.error(f"--docs: unknown {sorted(set(kinds) - {'uniform', 'corpus'})}; choose from uniform, corpus")
+    corpus = corpus_batches(args.batch, args.seq_len, args.vocab_size, args.data_max_bytes) if "corpus" in kinds \
+        else None
     rows = []
-    for kind in kinds:
-        for b in args.backends.split(","):
+    for preset in args.presets.split(","):
+        cfg = K3Config.preset(preset)
+        for kind in kinds:
             if kind == "corpus":
-                vocab, batches = corpus_batches(args.batch, args.seq_len, args.vocab_size, args.data_max_bytes)
-                row = bench(cfg.replace(vocab_size=vocab), b, args.batch, args.seq_len, args.steps, args.device,
-                            batches, args.profile)
+                rows.append(k3_row(preset, cfg.replace(vocab_size=corpus[0]), args, corpus[1]()))
             else:
-                row = bench(cfg, b, args.batch, args.seq_len, args.steps, args.device, profile=args.profile)
-            rows.append(row)
+                rows.append(k3_row(preset, cfg, args))
             print(json.dumps(rows[-1]), flush=True)
-    out = {**header(), "preset": args.preset, "batch": args.batch, "seq_len": args.seq_len,
-           "active_params": count_parameters(cfg)["active"], "rows": rows}
-    print(f"\n{args.preset}: {args.batch} x {args.seq_len} tokens per step, active params {out['active_params'] / 1e6:.1f}M")
-    print("| documents | KDA backend | docs/step | step | tokens/s | MFU | peak memory |")
+        if not args.no_peer:
+            rows.append(peer_row(preset, cfg, args))
+            print(json.dumps(rows[-1]), flush=True)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    report(rows, args)
+
+
+def report(rows: list[dict], args) -> None:
+    print(f"\n{args.batch} x {args.seq_len} tokens per step on {args.device}; memory policy {args.memory_policy}, "
+          f"compile {'on' if args.compile else 'off'}, KDA backend {args.kda_backend}")
+    print("| model | documents | docs/step | tokens/s | MFU | step min / median / max | peak memory |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
+        s = r["step_ms"]
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         mem = f"{r['peak_mem_gib']:.1f} GiB" if r["peak_mem_gib"] is not None else "-"
-        print(f"| {r['docs']} | {r['backend']} | {r['docs_per_step']:.1f} | {r['step_s'] * 1e3:.0f} ms | "
-              f"{r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {mem} |")
-    for kind in kinds:
-        by = {r["backend"]: r for r in rows if r["docs"] == kind}
-        if "fla" in by and "torch" in by:
-            print(f"{kind}: fla / torch tokens/s: {by['fla']['tokens_per_s'] / by['torch']['tokens_per_s']:.2f}x")
-    if {"uniform", "corpus"} <= set(kinds):
-        for b in args.backends.split(","):
-            u, c = (next(r for r in rows if r["docs"] == k and r["backend"] == b) for k in ("uniform", "corpus"))
-            print(f"{b}: corpus / uniform tokens/s: {c['tokens_per_s'] / u['tokens_per_s']:.2f}x")
+        docs = f"{r['docs_per_step']:.1f}" if "docs_per_step" in r else "-"
+        print(f"| {r['model']} | {r['docs']} | {docs} | {r['tokens_per_s']:,.0f} | {mfu} | "
+              f"{s['min']:.0f} / {s['median']:.0f} / {s['max']:.0f} ms | {mem} |")
+    for preset in args.presets.split(","):
+        by = {r["docs"]: r for r in rows if r["preset"] == preset}
+        peer = by.pop("any", None)
+        if "uniform" in by and "corpus" in by:
+            u, c = by["uniform"], by["corpus"]
+            print(f"k3 {preset}: corpus / uniform tokens/s {c['tokens_per_s'] / u['tokens_per_s']:.2f}x; corpus step "
+                  f"spread {c['step_ms']['min'] / c['step_ms']['median'] - 1:+.0%} / "
+                  f"{c['step_ms']['max'] / c['step_ms']['median'] - 1:+.0%} around its median")
+        if peer is not None and "uniform" in by:
+            print(f"k3 {preset} / dense peer tokens/s: {by['uniform']['tokens_per_s'] / peer['tokens_per_s']:.2f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        Path(args.json).write_text(json.dumps({**header(), "args": vars(args), "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -287,10 +287,23 @@ def small() -> K3Config:
                     routed_expert_hidden_size=384, attn_res_block_size=4, num_nextn_predict_layers=1)
 
 
+def medium() -> K3Config:
+    """A one-GPU K3 at ~1B active (3.29B total, 1.06B active): hidden 2048, 24 layers in K3's 3:1 pattern (MLA at
+    4, 8, ..., 24), K3's head dims (KDA 128, MLA 128 + 64 / 128), 64 experts top-8 in a latent half the width,
+    AttnRes blocks of 6 decoder layers (4 blocks), one MTP layer."""
+    mla, kda = hybrid_layers(24)
+    return K3Config(vocab_size=32768, hidden_size=2048, num_hidden_layers=24, full_attn_layers=mla, kda_layers=kda,
+                    kda_num_heads=16, kda_head_dim=128, num_attention_heads=16, q_lora_rank=768, kv_lora_rank=512,
+                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, intermediate_size=8192,
+                    num_experts=64, num_experts_per_token=8, num_shared_experts=1, moe_intermediate_size=512,
+                    routed_expert_hidden_size=1024, attn_res_block_size=6, num_nextn_predict_layers=1)
+
+
 PRESETS: dict[str, Callable[[], K3Config]] = {
     "kimi-k3": kimi_k3,
     "kimi-k2": kimi_k2,
     "kimi-linear-48b": kimi_linear_48b,
     "tiny": tiny,
     "small": small,
+    "medium": medium,
 }

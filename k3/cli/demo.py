@@ -7,11 +7,10 @@ checkpoint and a loss plot, and samples a continuation.
 
 from __future__ import annotations
 
-import sys
 
-from ..train.loop import TrainConfig, train
+from ..train.loop import TrainConfig
 from .common import add_model_arguments
-from .train import add_train_arguments, config_from_args, interrupted_message
+from .train import add_train_arguments, config_from_args, run_training
 
 HELP = "train the tiny K3 on the embedded standard-library corpus for a few minutes, plot, and sample"
 
@@ -33,11 +32,11 @@ def run(args) -> int:
     cfg = config_from_args(args, DEMO)
     print(f"k3 demo: training the {cfg.preset or cfg.config} K3 for {cfg.steps} steps "
           f"({cfg.batch_size} x {cfg.seq_len} tokens each) on the Python standard library; output in {cfg.out}")
-    try:
-        result = train(cfg, log=print)
-    except KeyboardInterrupt as e:
-        print(f"k3 demo: {interrupted_message(cfg.out, e)}", file=sys.stderr)
+    result, rank = run_training(cfg, command="demo")
+    if result is None:
         return 130
+    if rank != 0:
+        return 0
     h = result["unigram_entropy"]
     vals = _val_curve(cfg.out)
     print("validation loss by step: " + ", ".join(f"{s}: {v:.3f}" for s, v in vals))

@@ -41,8 +41,13 @@ def add_train_arguments(p, defaults: TrainConfig) -> None:
     add_device_argument(p, d.device)
     p.add_argument("--kda-backend", choices=["auto", "torch", "fla"], default=d.kda_backend,
                    help="KDA kernels: fla-core's on CUDA (auto) or the pure-torch reference")
-    p.add_argument("--activation-checkpointing", action="store_true", default=d.activation_checkpointing,
-                   help="recompute activations in the backward: less memory, more time")
+    p.add_argument("--memory-policy", choices=["keep", "efficient", "offload", "recompute"], default=d.memory_policy,
+                   help="how activations saved for the backward are stored: keep all; efficient (AttnRes mixes and "
+                   "MoE dispatch recomputed); offload (efficient + other layer activations to host memory); "
+                   "recompute (whole layers)")
+    p.add_argument("--compile", action="store_true", default=d.compile,
+                   help="regional torch.compile: each layer's FFN, AttnRes mixes and KDA output norm (first steps "
+                   "compile; CPU needs a C compiler)")
     p.add_argument("--dp", type=positive_int, default=d.dp, help="data-parallel ranks (FSDP2); --batch-size is "
                    "per rank (per group of --cp ranks). Run under torchrun with --nproc_per_node = dp x cp x ep")
     p.add_argument("--cp", type=positive_int, default=d.cp, help="context-parallel ranks (KCP): each sequence is "
@@ -65,7 +70,7 @@ def config_from_args(args, base: TrainConfig) -> TrainConfig:
         weight_decay=args.weight_decay, vocab_size=args.vocab_size, data_max_bytes=args.data_max_bytes,
         doc_chars=args.doc_chars, balance=args.balance, mtp_weight=args.mtp_weight, qk_clip_tau=args.qk_clip or None,
         eval_every=args.eval_every, log_every=args.log_every, save_every=args.save_every, seed=args.seed,
-        device=args.device, kda_backend=args.kda_backend, activation_checkpointing=args.activation_checkpointing,
+        device=args.device, kda_backend=args.kda_backend, memory_policy=args.memory_policy, compile=args.compile,
         stop_after=args.stop_after, dp=args.dp, cp=args.cp, ep=args.ep, verify=args.verify, qat=args.qat,
         init_from=args.init_from)
 
@@ -86,33 +91,28 @@ def interrupted_message(out: str, e: KeyboardInterrupt) -> str:
     return f"interrupted; the checkpoint of step {step} is in {ckpt}: run the same command again to resume from it"
 
 
-def run(args) -> int:
-    from ..distributed.context_parallel import ContextParallelTraining
-    from ..distributed.data_parallel import DataParallel
+def run_training(cfg: TrainConfig, log=print, command: str = "train") -> tuple[dict | None, int]:
+    """``train(cfg)`` under the plan its --dp/--ep/--cp describe (one process when all are 1) -> (result, rank);
+    result is None when Ctrl-C stopped the run (rank 0 has said where its checkpoint is)."""
+    from ..distributed.plan import ParallelDims, ParallelPlan
+    from ..train.loop import resolve_device
 
-    cfg = config_from_args(args, TrainConfig(out=args.out))
-    if cfg.ep > 1:  # the ("dp", "ep"[, "cp"]) mesh; --ep R alone is dp = 1 (every rank its own slice of the batch)
-        from ..distributed.mesh import DataExpertParallelTraining
-
-        par = DataExpertParallelTraining(cfg.dp, cfg.ep, cp=cfg.cp, device=cfg.device)
-    elif cfg.cp > 1 and cfg.dp > 1:
-        from ..distributed.mesh import DataContextParallelTraining
-
-        par = DataContextParallelTraining(cfg.dp, cfg.cp, device=cfg.device)
-    elif cfg.cp > 1:
-        par = ContextParallelTraining.from_env(device=cfg.device)
-    else:
-        par = DataParallel.from_env(device=cfg.device) if cfg.dp > 1 or DataParallel.launched() else None
+    plan = ParallelPlan(ParallelDims(cfg.dp, cfg.ep, cfg.cp), device=resolve_device(cfg.device))
     try:
-        result = train(cfg, parallel=par)
+        return train(cfg, plan, log=log), plan.rank
     except KeyboardInterrupt as e:
-        if par is None or par.rank == 0:
-            print(f"k3 train: {interrupted_message(cfg.out, e)}", file=sys.stderr)
-        return 130
+        if plan.rank == 0:
+            print(f"k3 {command}: {interrupted_message(cfg.out, e)}", file=sys.stderr)
+        return None, plan.rank
     finally:
-        if par is not None:
-            par.close()
-    if (par is not None and par.rank != 0) or result.get("already_complete"):
+        plan.close()
+
+
+def run(args) -> int:
+    result, rank = run_training(config_from_args(args, TrainConfig(out=args.out)))
+    if result is None:
+        return 130
+    if rank != 0 or result.get("already_complete"):
         return 0
     last = result["last"]
     print(f"done: step {result['step']}, loss {last['loss']:.4f}"

@@ -33,10 +33,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..ops.varlen import document_ids, same_document
-from .data_parallel import ParallelContext, collective_device
+from .process_group import collective_device
 from .kcp import kcp_chunk_kda, kcp_short_conv, local_cu_seqlens
 
-__all__ = ["ContextParallel", "gather_sequence", "cp_shifted_targets", "cp_loss_sum", "cp_mean_loss"]
+__all__ = ["ContextParallel", "gather_sequence", "cp_shifted_targets", "cp_model_loss", "cp_loss_sum", "cp_mean_loss"]
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -173,18 +173,21 @@ def cp_shifted_targets(labels_global: torch.Tensor, cu_seqlens: torch.Tensor | N
         raise ValueError(f"packed documents (cu_seqlens) need labels of batch 1; got batch {B}")
     tgt = torch.full_like(labels_global, -100)
     tgt[:, : T_global - shift] = labels_global[:, shift:]
-    tgt[:, ~same_document(T_global, shift, cu_seqlens, labels_global.device)] = -100
+    tgt.masked_fill_(~same_document(T_global, shift, cu_seqlens, labels_global.device), -100)  # no wait for the device
     return tgt[:, start:end]
 
 
-def cp_model_loss(model, ids_global: torch.Tensor, cu_seqlens, start: int, end: int, mtp_weight: float, group=None,
+def cp_model_loss(model, ids_global: torch.Tensor, cu_seqlens, start: int, end: int, group=None, mtp: bool = True,
                   loss_chunk: int = 4096):
-    """This rank's share of the single-process training loss of ``model`` on ``ids_global`` [B,T_global] split
-    along time, MTP layers included. -> (loss share to backpropagate, global lm loss, global mtp loss or None).
+    """This rank's shares of the single-process losses of ``model`` on ``ids_global`` [B,T_global] split along
+    time: -> (lm share, MTP share or None), 0-d fp32 tensors to backpropagate. Each share is this rank's targets'
+    CE sum over the group's target count, so the group's shares SUM to the single-process mean (the MTP share: the
+    mean over the MTP layers of theirs). ``mtp``: run the MTP layers (when the model has them); every rank of the
+    group must pass the same (their attention is collective).
 
     The head's CE runs ``loss_chunk`` tokens at a time, recomputed in the backward: no [T, vocab] logits are held
     (what makes long CP segments affordable). It calls the trunk, the norm, the head and the MTP layers one by one:
-    under FSDP (``--dp x --cp``, mesh.py) it runs as a registered forward method of the root, so that the root's own
+    under FSDP (``k3.distributed.plan``) it runs as a registered forward method of the root, so that the root's own
     weights are gathered around these calls."""
     from ..model.transformer import chunked_head_ce_sum
 
@@ -198,8 +201,8 @@ def cp_model_loss(model, ids_global: torch.Tensor, cu_seqlens, start: int, end: 
 
     h = model.model(ids, mixer=view)
     lm = share(model.model.norm(h), 1)
-    if not (len(model.mtp) and mtp_weight):
-        return lm, _global(lm, group), None
+    if not (len(model.mtp) and mtp):
+        return lm, None
     T = ids_global.shape[1]
     losses = []
     for i, layer in enumerate(model.mtp):
@@ -208,15 +211,7 @@ def cp_model_loss(model, ids_global: torch.Tensor, cu_seqlens, start: int, end: 
         nxt = torch.where(keep, torch.roll(ids_global, -k, dims=1), ids_global)[:, start:end]
         h = layer(h, model.model.embed_tokens(nxt), mixer=view)
         losses.append(share(h, 1 + k))
-    mtp = torch.stack(losses).mean()
-    loss = lm + mtp_weight * mtp
-    return loss, _global(lm, group), _global(mtp, group)
-
-
-def _global(share: torch.Tensor, group) -> float:
-    t = share.detach().clone()
-    dist.all_reduce(t, group=group)
-    return t.item()
+    return lm, torch.stack(losses).mean()
 
 
 def cp_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,30 +233,3 @@ def _share_of_mean(total: torch.Tensor, count: torch.Tensor, group) -> torch.Ten
     if int(count) == 0:
         raise ValueError("no counted targets on any CP rank (all -100)")
     return total / count
-
-
-class ContextParallelTraining(ParallelContext):
-    """The parallel context ``k3.train.loop.train`` takes for ``k3 train --cp N``: every rank sees the same
-    global batch and trains on its contiguous segment of the packed row; parameters are replicated and their
-    gradients summed over the ranks (the loss is a sum over this rank's targets / the global target count).
-    MTP layers run under CP too (their attention through the same view)."""
-
-    def shard(self, model) -> None:
-        for p in model.parameters():  # every rank must start from the same weights (rank 0's)
-            dist.broadcast(p.data, src=0)
-
-    def mean(self, x: float) -> float:
-        return x  # the loss below is already the global one
-
-    def loss(self, model, batch: dict, mtp_weight: float, device):
-        ids, cu = batch["input_ids"].to(device), batch["cu_seqlens"].to(device)
-        T = ids.shape[1]
-        n = -(-T // self.world)
-        start, end = min(self.rank * n, T), min((self.rank + 1) * n, T)
-        loss, lm, mtp = cp_model_loss(model, ids, cu, start, end, mtp_weight)
-        return loss, lm, mtp, T
-
-    def reduce_grads(self, model) -> None:
-        for p in model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad)

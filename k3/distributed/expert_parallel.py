@@ -25,7 +25,7 @@ to z, the router through the combine weights, the projections) and a replica's w
 owner, where autograd sums them into the owner's shard. Every rank must run the backward of every forward (the
 backward holds collectives, as with DDP); the all-to-alls then run in the same order on every rank.
 
-Composed with data and context parallelism (``k3.distributed.mesh.DataExpertParallelTraining``, ``--dp D --ep R
+Composed with data and context parallelism (``k3.distributed.plan.ParallelPlan``, ``--dp D --ep R
 [--cp C]``): the MoonEP group is one "ep" row of a (dp, ep[, cp]) mesh (under CP each rank dispatches the tokens of its
 own time segment), and ``shard_experts_over_dp`` splits each rank's E/R experts once more over its column, the D*C
 ranks of the same ep index (all-gathered in the forward, reduce-scattered in the backward, like FSDP).

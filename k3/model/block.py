@@ -56,8 +56,7 @@ class DecoderLayer(nn.Module):
         object with ``attend(layer, x) -> y`` (the inference engine's paged prefill and decode, context
         parallelism's halos and scans). It calls back into the layer's own pieces (``projections``,
         ``activations``, ``output`` of KDA; ``queries``, ``latent``, ``absorb``, ``output`` of MLA)."""
-        h = stream.read(self.attention_query())
-        x = self.input_layernorm(h)
+        x = stream.read(self.attention_query(), self.input_layernorm)  # the pre-norm inside AttnRes' recomputable region
         if mixer is not None:
             a = mixer.attend(self, x)
         elif self.kind == "kda":
@@ -65,8 +64,7 @@ class DecoderLayer(nn.Module):
         else:
             a = self.self_attn(x, cu_seqlens)
         stream.write(a)
-        h = stream.read(self.mlp_query())
-        m = self.ffn(self.post_attention_layernorm(h))
+        m = self.ffn(stream.read(self.mlp_query(), self.post_attention_layernorm))
         stream.write(m)
         return a, m
 

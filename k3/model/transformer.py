@@ -190,7 +190,7 @@ def _shifted_targets(labels, shift: int, cu_seqlens) -> torch.Tensor:
         doc = document_ids(cu_seqlens, T, labels.device)
         cross = torch.ones(T, dtype=torch.bool, device=labels.device)
         cross[: T - shift] = doc[shift:] != doc[: T - shift]
-        tgt[:, cross] = -100
+        tgt.masked_fill_(cross, -100)  # not tgt[:, cross]: boolean-mask indexing waits for the device
     return tgt
 
 

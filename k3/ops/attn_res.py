@@ -19,8 +19,10 @@ def _unit_rms(v: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def attn_res_logits(sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-5):
-    """sources [S,*,D], query/norm_weight [D] -> logits [S,*] in fp32."""
-    return _unit_rms(sources, eps) @ (upcast(query) * upcast(norm_weight))
+    """sources [S,*,D], query/norm_weight [D] -> logits [S,*] in fp32 (also under autocast, which would run the
+    product in bf16)."""
+    with torch.autocast(sources.device.type, enabled=False):
+        return _unit_rms(sources, eps) @ (upcast(query) * upcast(norm_weight))
 
 
 def attn_res_mix(sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-5):

@@ -28,6 +28,11 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
         offs = counts.cumsum(0).to(torch.int32)
         # fp32 master weights under bf16 autocast are cast here, as autocast does for nn.Linear
         return torch._grouped_mm(x, w.to(torch.bfloat16).transpose(-1, -2), offs=offs)
+    return _expert_loop(x, w, counts)
+
+
+@torch.compiler.disable  # reads the counts on the host: under torch.compile a clean break, never a recompile per load
+def _expert_loop(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     # unbind, not w[e]: w[e]'s backward writes a zero-filled [E,O,I] gradient per expert (7x the loop's time with
     # 32 experts on CPU); unbind's writes one
     ws = w.unbind(0)

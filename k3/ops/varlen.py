@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["pack_sequences", "unpack_sequences", "document_ids", "same_document", "length_groups", "PaddedRows",
-           "GroupedDocuments", "padded_documents", "grouped_documents", "cached_plan", "document_offsets",
-           "GROUP_OVERHEAD"]
+           "GroupedDocuments", "padded_documents", "grouped_documents", "cached_plan", "place_cu_seqlens",
+           "known_host_values", "document_offsets", "GROUP_OVERHEAD"]
 
 # a padded group's fixed cost in token^2 (gather, attention call, scatter), against count x longest^2 for its work
 GROUP_OVERHEAD = 512 ** 2
@@ -203,6 +203,22 @@ def cached_plan(cu_seqlens: torch.Tensor, key, build):
         plan = build(host)
         _store(cu_seqlens, key, plan)
     return plan
+
+
+def place_cu_seqlens(cu_seqlens: torch.Tensor, device) -> torch.Tensor:
+    """Host cu_seqlens (the loader's) -> the same on ``device``, with its values remembered for ``cached_plan``: the
+    layers' plans (and fla's chunk list) then never read it back from the device, which on CUDA waits for every
+    queued kernel. The copy itself goes through pinned memory without blocking. (A cu_seqlens already on a device
+    is read once here.)"""
+    host = cu_seqlens.tolist()
+    placed = _to_device([cu_seqlens.cpu()], device)[0].to(cu_seqlens.dtype)
+    _store(placed, _HOST, host)
+    return placed
+
+
+def known_host_values(cu_seqlens: torch.Tensor) -> list[int] | None:
+    """The host values of a cu_seqlens tensor if they are known without reading the device, else None."""
+    return _lookup(cu_seqlens, _HOST)
 
 
 def document_offsets(cu: Sequence[int], device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -70,12 +70,16 @@ class PackedExpertBank(nn.Module):
         return route_to_experts(z, weights, idx, self.num_experts, self.compute)
 
     @torch.no_grad()
-    def compute(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x [M,L] sorted by expert, counts [E] -> [M,L]: MXFP8 inputs times MXFP4 weights."""
+    def compute(self, x: torch.Tensor, counts: torch.Tensor, row_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M,L] sorted by expert, counts [E], row_weights [M,1] -> [M,L]: MXFP8 inputs times MXFP4 weights, each
+        row's routing weight on the down projection's (quantised) input, as the QAT forward (``expert_glu``) has it."""
         x = mx_round(x, E4M3)
         h = glu(packed_grouped_mm(x, self.w1, counts), packed_grouped_mm(x, self.w3, counts), self.act, self.b1,
                 self.b2)
-        return packed_grouped_mm(mx_round(h, E4M3), self.w2, counts)
+        h = mx_round(h, E4M3)
+        if row_weights is not None:
+            h = (h * row_weights).to(h.dtype)
+        return packed_grouped_mm(h, self.w2, counts)
 
 
 def packed_grouped_mm(x: torch.Tensor, w: PackedWeight, counts: torch.Tensor, backend: str = "auto") -> torch.Tensor:

@@ -36,9 +36,10 @@ def required_bias(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Ten
     return a - scores
 
 
-def histogram_counts(r: torch.Tensor, lo: float, hi: float, bins: int) -> torch.Tensor:
-    """r [N,E] -> int64 [E,B]: per-expert counts in B equal bins over [lo, hi); outside values go to the end bins."""
-    if not hi > lo:
+def histogram_counts(r: torch.Tensor, lo, hi, bins: int) -> torch.Tensor:
+    """r [N,E] -> int64 [E,B]: per-expert counts in B equal bins over [lo, hi); outside values go to the end bins.
+    ``lo``/``hi``: floats, or 0-d tensors on r's device (never read back: no wait for the device)."""
+    if not isinstance(lo, torch.Tensor) and not isinstance(hi, torch.Tensor) and not hi > lo:
         raise ValueError(f"histogram range must have hi > lo; got [{lo}, {hi}]")
     N, E = r.shape
     b = ((r - lo) * (bins / (hi - lo))).floor_().clamp_(0, bins - 1).long()  # [N,E]
@@ -123,7 +124,7 @@ class ExpertBalancer:
         nb = self.bins if self.method == "quantile" else 0
         self.hist = [torch.zeros(E, nb, dtype=torch.int64, device=d) for E, d in E_dev]  # [E,B] per layer
         self.loads = [torch.zeros(E, dtype=torch.int64, device=d) for E, d in E_dev]  # [E] per layer
-        self.ranges: list[tuple[float, float] | None] = [None] * len(self.routers)  # set by the step's first observe
+        self.bounds: torch.Tensor | None = None  # [layers, 2] fp64 histogram ranges, set by the step's first observe
 
     @torch.no_grad()
     def observe(self, routing: list | None = None) -> None:
@@ -149,14 +150,16 @@ class ExpertBalancer:
                 r = required_bias(scores, router.e_score_correction_bias, router.top_k)  # [N,E]
                 self.hist[l] += histogram_counts(r, *self._range(l), self.bins)
 
-    def _range(self, l: int) -> tuple[float, float]:
-        """Layer l's histogram range for this step, from its bias at the step's start: r lies in it (s in (0,1))."""
-        if self.ranges[l] is None:  # the biases have not moved since the last step(), so every rank gets the same
-            # every layer's at once: one read of the device per step, not two per layer
-            ext = torch.stack([torch.stack([r.e_score_correction_bias.min(), r.e_score_correction_bias.max()]).double()
-                               for r in self.routers]).tolist()
-            self.ranges = [(lo - 1.0, hi + 1.0) for lo, hi in ext]
-        return self.ranges[l]
+    def _range(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer l's histogram range for this step, [min(b) - 1, max(b) + 1] from its bias at the step's start: r
+        lies in it (s in (0,1)). 0-d fp64 tensors on the device: built once per step for every layer, never read
+        back (no wait for the device in the middle of a step). The biases have not moved since the last step(), so
+        every rank gets the same."""
+        if self.bounds is None:
+            ext = torch.stack([torch.stack([r.e_score_correction_bias.min(), r.e_score_correction_bias.max()])
+                               for r in self.routers]).double()  # [layers, 2]
+            self.bounds = torch.stack([ext[:, 0] - 1.0, ext[:, 1] + 1.0], dim=1)
+        return self.bounds[l, 0], self.bounds[l, 1]
 
     # the update, per optimizer step
 
@@ -203,7 +206,7 @@ class ExpertBalancer:
     # checkpointing
 
     def state_dict(self) -> dict:
-        return {"method": self.method, "bins": self.bins, "steps": self.steps, "ranges": list(self.ranges),
+        return {"method": self.method, "bins": self.bins, "steps": self.steps, "bounds": self.bounds,
                 "hist": [h.clone() for h in self.hist], "loads": [c.clone() for c in self.loads]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -216,4 +219,6 @@ class ExpertBalancer:
             if mine.shape != theirs.shape:
                 raise ValueError(f"balancer state tensor of shape {tuple(theirs.shape)}; expected {tuple(mine.shape)}")
             mine.copy_(theirs)
-        self.steps, self.ranges = state["steps"], list(state["ranges"])
+        bounds = state.get("bounds")  # older states hold "ranges" instead: None between steps, as here
+        self.steps = state["steps"]
+        self.bounds = None if bounds is None else bounds.to(self.routers[0].e_score_correction_bias.device)

@@ -22,9 +22,12 @@ from ..data import PackedDataset
 from ..model.transformer import K3ForCausalLM
 from . import data as run_data
 from .balance import ExpertBalancer
+from .compile import compile_model
 from .interrupt import StopRequest, TrainingInterrupted
+from .memory import ActivationManager
 from .metrics import MetricsLog, Progress, moe_layer_labels, read_metrics
 from .optim import build_optimizer
+from .plan import TrainingPlan
 from .qk_clip import enable_max_logit_tracking, qk_clip_
 from .schedule import build_scheduler, resume_point
 from .state import check_resumable, find_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
@@ -67,7 +70,8 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     kda_backend: str = "auto"
-    activation_checkpointing: bool = False
+    memory_policy: str = "keep"  # keep | efficient | offload | recompute (k3.train.memory)
+    compile: bool = False  # regional torch.compile (k3.train.compile)
     val_fraction: float = 0.05
     stop_after: int | None = None  # stop (with a checkpoint) after this step; rerun the same command to resume
     dp: int = 1  # data-parallel ranks (FSDP2) when run under torchrun; batch_size is per rank
@@ -101,41 +105,6 @@ class TrainConfig:
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
-
-
-class SingleProcess:
-    """The parallel context of a one-process run (k3.distributed.data_parallel.DataParallel for several)."""
-
-    rank, world = 0, 1
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def shard(self, model) -> None:
-        pass
-
-    def mean(self, x: float) -> float:
-        return x
-
-    def sync_max_logits(self, model) -> None:
-        pass
-
-    def full_state(self, model) -> dict:
-        return model.state_dict()
-
-    def barrier(self) -> None:
-        pass
-
-    def loss(self, model, batch: dict, mtp_weight: float, device):
-        """-> (loss to backpropagate, lm loss, mtp loss or None, tokens this step over all ranks). The lm and mtp
-        losses may be 0-d tensors (read after the backward: no wait for the GPU between forward and backward)."""
-        ids, cu = batch["input_ids"].to(device), batch["cu_seqlens"].to(device)
-        out = model(ids, cu_seqlens=cu, labels=ids, mtp_weight=mtp_weight, return_logits=False)
-        mtp = out["mtp_loss"].detach() if "mtp_loss" in out else None
-        return out["loss"], out["lm_loss"].detach(), mtp, ids.numel()
-
-    def reduce_grads(self, model) -> None:
-        pass
 
 
 def _quiet(*args, **kwargs) -> None:
@@ -188,11 +157,16 @@ def evaluate(model, dataset: PackedDataset, batch_size: int, max_batches: int, d
     return total / max(n, 1)
 
 
-def train(cfg: TrainConfig, log=print, parallel=None) -> dict:
-    """Run (or resume) training. ``parallel``: a k3.distributed DataParallel under torchrun, else one process.
-    In one process, Ctrl-C stops after the current step with a checkpoint and raises TrainingInterrupted."""
-    with StopRequest(enabled=parallel is None or parallel.world == 1) as stop:
-        return _train(cfg, log, parallel, stop)
+def train(cfg: TrainConfig, plan: TrainingPlan | None = None, log=print) -> dict:
+    """Run (or resume) training under ``plan``, the run's layout over processes (default, one process:
+    ``k3.distributed.plan.ParallelPlan(ParallelDims(), cfg.device)``). In one process, Ctrl-C stops after the
+    current step with a checkpoint and raises TrainingInterrupted."""
+    if plan is None:
+        from ..distributed.plan import ParallelDims, ParallelPlan
+
+        plan = ParallelPlan(ParallelDims(), resolve_device(cfg.device))
+    with StopRequest(enabled=plan.world == 1) as stop:
+        return _train(cfg, plan, log, stop)
 
 
 def _already_complete(run: Path, ckpt: Path, done: int, cfg: TrainConfig, log) -> dict:
@@ -204,17 +178,16 @@ def _already_complete(run: Path, ckpt: Path, done: int, cfg: TrainConfig, log) -
             "run": str(run), "params": info.get("params"), "already_complete": True}
 
 
-def _train(cfg: TrainConfig, log, parallel, stop: StopRequest) -> dict:
+def _train(cfg: TrainConfig, plan: TrainingPlan, log, stop: StopRequest) -> dict:
     run = Path(cfg.out)
-    par = parallel or SingleProcess(resolve_device(cfg.device))
-    rank, world = par.rank, par.world
+    rank, world = plan.rank, plan.world
     if world != cfg.dp * cfg.cp * cfg.ep:
         raise ValueError(f"--dp {cfg.dp} x --cp {cfg.cp} x --ep {cfg.ep} ranks but {world} process(es) are running: "
                          f"start them under `torchrun --nproc_per_node N -m k3 train ...` with N = dp x cp x ep")
     if rank == 0:
         run.mkdir(parents=True, exist_ok=True)
-    par.barrier()
-    device = par.device
+    plan.barrier()
+    device = plan.device
     if rank != 0:
         log = _quiet
     resume_from = find_checkpoint(run)
@@ -223,7 +196,7 @@ def _train(cfg: TrainConfig, log, parallel, stop: StopRequest) -> dict:
         if done >= cfg.steps:
             return _already_complete(run, resume_from, done, cfg, log)
 
-    data = run_data.prepare(cfg, run, resume_from, par)
+    data = run_data.prepare(cfg, run, resume_from, plan)
     train_set, val_set, entropy = data.train, data.val, data.unigram_entropy
     mcfg = _model_config(cfg, data.tokenizer.get_vocab_size())
 
@@ -236,9 +209,15 @@ def _train(cfg: TrainConfig, log, parallel, stop: StopRequest) -> dict:
     else:
         model, state = K3ForCausalLM(mcfg).to(device), None
     model.set_kda_backend(cfg.kda_backend)
-    model.model.gradient_checkpointing = cfg.activation_checkpointing
+    if cfg.memory_policy == "recompute" and cfg.cp > 1:
+        raise ValueError("--memory-policy recompute (whole layers) does not apply under --cp, whose layers run through "
+                         "the context-parallel view; use --memory-policy efficient or offload there")
+    memory = ActivationManager(cfg.memory_policy)
+    memory.attach(model)
+    if cfg.compile:
+        compile_model(model)
     model.train()
-    par.shard(model)  # FSDP2 under data parallelism: parameters, gradients and optimiser state sharded
+    plan.shard(model)  # several processes: experts split, the rest FSDP2-sharded (k3.distributed.plan)
     optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
     resumed_at = None if state is None else resume_point(state, saved_steps, cfg.steps, cfg.warmup_frac,
                                                          cfg.min_lr_ratio)
@@ -268,7 +247,7 @@ def _train(cfg: TrainConfig, log, parallel, stop: StopRequest) -> dict:
                                                        "load_layers": moe_layer_labels(model),
                                                        "train_config": cfg.to_json()}, indent=2) + "\n")
 
-    batches = train_set.batches(cfg.batch_size * cfg.dp * cfg.ep)  # the global batch; the parallel context splits it
+    batches = train_set.batches(cfg.batch_size * plan.batch_slices)  # the global batch; the plan splits it
     progress = Progress(cfg.steps) if rank == 0 else None
     last = {}
     t_last, tok_last = time.time(), tokens
@@ -277,31 +256,39 @@ def _train(cfg: TrainConfig, log, parallel, stop: StopRequest) -> dict:
     stop.arm()
     while step < end:
         loss_sum, mtp_sum = 0.0, 0.0
-        for _ in range(cfg.grad_accum):
-            with amp:
-                loss, lm, mtp, n = par.loss(model, next(batches), cfg.mtp_weight, device)
+        logging = (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps
+        for i in range(cfg.grad_accum):
+            with amp, memory.forward(measure=logging and i == 0) as saved:
+                loss, lm, mtp, n = plan.loss(model, next(batches), cfg.mtp_weight)
+            if i == 0:
+                first_saved = saved
             (loss / cfg.grad_accum).backward()
             loss_sum += lm / cfg.grad_accum
             mtp_sum += (mtp if mtp is not None else 0.0) / cfg.grad_accum
             if balancer is not None:
                 balancer.observe()
             tokens += n
-        par.reduce_grads(model)
-        loss_sum, mtp_sum = float(loss_sum), float(mtp_sum)  # one read of the device per step
-        if not math.isfinite(loss_sum):
-            raise FloatingPointError(f"loss became {loss_sum} at step {step}; lower --lr or check the data")
+        plan.reduce_grads(model)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        # one read of the device per step, once the optimizer's kernels are queued behind the backward's (a read
+        # before them would leave the device idle while the host launches them); a non-finite loss stops the run
+        # before anything of this step is saved
+        loss_sum, mtp_sum, grad_norm = (float(x) for x in (loss_sum, mtp_sum, grad_norm))
+        if not math.isfinite(loss_sum):
+            raise FloatingPointError(f"loss became {loss_sum} at step {step}; lower --lr or check the data")
         if cfg.qk_clip_tau:
-            par.sync_max_logits(model)
+            plan.sync_max_logits(model)
         clipped = qk_clip_(model, cfg.qk_clip_tau) if cfg.qk_clip_tau else 0
         load = balancer.step() if balancer is not None else None
         step += 1
         rec = {"step": step, "loss": loss_sum, "lr": lr, "tokens": tokens, "grad_norm": grad_norm}
+        if logging:  # what the first micro-batch's forward left for its backward on the device (k3.train.memory)
+            rec["saved_activation_bytes"] = first_saved.kept_bytes
         if mtp_sum:
             rec["mtp_loss"] = mtp_sum
         if load is not None:
@@ -310,7 +297,8 @@ def _train(cfg: TrainConfig, log, parallel, stop: StopRequest) -> dict:
         if clipped:
             rec["qk_clipped_heads"] = clipped
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            rec["val_loss"] = evaluate(model, val_set, cfg.batch_size * cfg.dp * cfg.ep, cfg.eval_batches, device, amp)
+            rec["val_loss"] = evaluate(model, val_set, cfg.batch_size * plan.batch_slices, cfg.eval_batches, device,
+                                       amp)
         if (step % cfg.log_every == 0 or "val_loss" in rec or step == cfg.steps) and rank == 0:
             now = time.time()
             rec["tokens_per_s"] = (tokens - tok_last) / max(now - t_last, 1e-9)
@@ -329,7 +317,7 @@ def _train(cfg: TrainConfig, log, parallel, stop: StopRequest) -> dict:
                                 cfg.to_json())
             else:
                 save_checkpoint(run, model, run / "tokenizer.json", trainer, cfg.to_json(),
-                                model_state=par.full_state(model), optimizer_shard=optimizer.state_dict())
+                                model_state=plan.full_state(model), optimizer_shard=optimizer.state_dict())
         if stopping:
             break
     if progress is not None:

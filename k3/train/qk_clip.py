@@ -35,9 +35,9 @@ def scale_head_logits_(layer: GatedMLA, gamma: torch.Tensor) -> None:
     from .optim.muon import _like
 
     H, Dn, Dr, Dv = layer.num_heads, layer.nope, layer.pe, layer.dv
-    g = gamma.to(torch.float32).cpu()
+    g = gamma.to(torch.float32)  # stays on its device: no wait for it per layer
     q_rows = torch.cat([g.sqrt()[:, None].expand(H, Dn), g[:, None].expand(H, Dr)], 1).reshape(-1)  # [H*(Dn+Dr)]
-    kv_rows = torch.cat([g.sqrt()[:, None].expand(H, Dn), torch.ones(H, Dv)], 1).reshape(-1)  # [H*(Dn+Dv)]
+    kv_rows = torch.cat([g.sqrt()[:, None].expand(H, Dn), g.new_ones(H, Dv)], 1).reshape(-1)  # [H*(Dn+Dv)]
     for w, rows in (((layer.q_b_proj if hasattr(layer, "q_b_proj") else layer.q_proj).weight, q_rows),
                     (layer.kv_b_proj.weight, kv_rows)):
         factor = rows.to(w.device)[:, None].expand(w.shape)

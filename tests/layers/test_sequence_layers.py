@@ -98,3 +98,59 @@ def test_mla_packed_documents_need_batch_one():
     cfg = K3Config.preset("tiny")
     with pytest.raises(ValueError, match="batch 1"):
         GatedMLA(cfg)(torch.randn(2, 6, cfg.hidden_size), cu_seqlens=torch.tensor([0, 2, 6]))
+
+
+def _reference_varlen_attn(calls):
+    """torch.nn.attention.varlen.varlen_attn's documented semantics on CPU (per-document SDPA), recording its
+    arguments: the kernel itself runs only on CUDA."""
+    import torch.nn.functional as F
+
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        calls.append({"cu_dtype": cu_q.dtype, "max": (max_q, max_k), "window": window_size, "dims": (q.shape[-1], v.shape[-1])})
+        assert torch.equal(cu_q, cu_k) and q.shape[-1] == k.shape[-1] == v.shape[-1]  # flash: one head dim
+        out = torch.empty_like(q)
+        for a, b in zip(cu_q.tolist(), cu_q.tolist()[1:]):
+            qd, kd, vd = (x[a:b].transpose(0, 1) for x in (q, k, v))  # [H,L,D]
+            out[a:b] = F.scaled_dot_product_attention(qd, kd, vd, is_causal=window_size == (-1, 0),
+                                                      scale=scale).transpose(0, 1)
+        return out
+
+    return varlen_attn
+
+
+def test_mla_varlen_path_equals_the_grouped_path(monkeypatch):
+    """GatedMLA over packed documents through the flash varlen call (CUDA only; here the kernel's documented
+    semantics stand in for it) equals the length-grouped SDPA path: outputs, gradients, QK-clip's max logits.
+    Checks the glue: [T,H,D] layout, v padded to the q/k head dim and cut back, int32 offsets, host-side max
+    length, causal window."""
+    import k3.layers.sequence.mla as mla_mod
+
+    cfg = K3Config.preset("tiny")
+    torch.manual_seed(0)
+    layer = GatedMLA(cfg).train()
+    layer.track_max_logit = True
+    x = torch.randn(1, 40, cfg.hidden_size)
+    cu = torch.tensor([0, 7, 8, 30, 40])
+    runs = []
+    for varlen in (False, True):
+        calls = []
+        monkeypatch.setattr(mla_mod, "varlen_attention_available", lambda q: varlen)
+        monkeypatch.setattr(mla_mod, "_varlen_kernel", lambda: _reference_varlen_attn(calls))
+        layer.zero_grad(set_to_none=True)
+        layer.max_logit = None
+        y = layer(x, cu)
+        (y * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+        runs.append((y, {n: p.grad.clone() for n, p in layer.named_parameters()}, layer.max_logit, calls))
+    (y0, g0, m0, c0), (y1, g1, m1, c1) = runs
+    assert c0 == [] and c1 == [{"cu_dtype": torch.int32, "max": (22, 22), "window": (-1, 0),
+                                "dims": (cfg.qk_head_dim, cfg.qk_head_dim)}]
+    torch.testing.assert_close(y1, y0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(m1, m0, atol=1e-6, rtol=1e-6)
+    for n, g in g0.items():
+        torch.testing.assert_close(g1[n], g, atol=1e-5, rtol=1e-5, msg=n)
+
+
+def test_mla_varlen_path_needs_cuda_half_precision():
+    from k3.layers.sequence.mla import varlen_attention_available
+
+    assert not varlen_attention_available(torch.zeros(1, 2, 8, 32))  # CPU fp32: the grouped path

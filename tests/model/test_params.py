@@ -30,3 +30,18 @@ def test_every_component_of_k3_is_present():
     by = count_parameters(K3Config.preset("kimi-k3"))["by_component"]
     assert all(v["total"] > 0 for k, v in by.items() if k != "mtp")
     assert by["attn_res"]["total"] == (2 * 93 + 1) * 2 * 7168  # 187 pseudo-queries, each proj + key norm
+
+
+def test_medium_preset_invariants():
+    """``medium``: ~1B active for one-GPU runs, K3's structure at hidden 2048 (`k3 params --preset medium`)."""
+    c = K3Config.preset("medium")
+    assert (c.hidden_size, c.num_hidden_layers) == (2048, 24)
+    assert c.full_attn_layers == (4, 8, 12, 16, 20, 24) and len(c.kda_layers) == 18  # 3:1, every 4th and the last
+    assert (c.num_experts, c.num_experts_per_token, c.routed_expert_hidden_size) == (64, 8, c.hidden_size // 2)
+    assert c.kda_head_dim == 128 and c.kda_num_heads * c.kda_head_dim == c.hidden_size  # fla's kernels need 128
+    assert c.attn_res == "block" and c.attn_res_block_size == 6 and c.num_nextn_predict_layers == 1
+    r = count_parameters(c)
+    assert (r["total"], r["active"]) == (3_285_687_584, 1_060_596_768)  # the README's figures
+    by = r["by_component"]
+    assert by["routed_experts"]["active"] == round(by["routed_experts"]["total"] * 8 / 64)
+    assert by["mtp"]["active"] == 0 and by["embedding"]["active"] == 0

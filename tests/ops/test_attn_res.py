@@ -26,3 +26,13 @@ def test_batched_blocks_plus_online_merge_equals_full_mix():
         full = attn_res_mix(torch.cat([blocks, partial[None]]), qs[i], ns[i])
         torch.testing.assert_close(merged, full, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(o[i], attn_res_mix(blocks, qs[i], ns[i]), atol=1e-5, rtol=1e-5)
+
+
+def test_logits_stay_fp32_under_autocast():
+    """SPEC §3: AttnRes logits and softmax in fp32, also inside bf16 autocast (the CUDA training path)."""
+    from k3.ops.attn_res import attn_res_logits
+
+    src, q, w = torch.randn(3, 5, 16), torch.randn(16), torch.rand(16) + 0.5
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = attn_res_logits(src, q, w)
+    assert got.dtype == torch.float32 and torch.equal(got, attn_res_logits(src, q, w))

@@ -109,3 +109,14 @@ def test_grouped_documents_pad_and_scatter_move_every_token_once(overhead, unit)
     assert torch.equal(y, x * 3)
     y.backward(torch.ones_like(y))
     assert torch.equal(x.grad, torch.full_like(x, 3.0))
+
+
+def test_placed_cu_seqlens_carry_their_host_values():
+    """place_cu_seqlens: the device copy's values are known on the host, so no plan reads the device back."""
+    from k3.ops.varlen import cached_plan, known_host_values, place_cu_seqlens
+
+    cu = torch.tensor([0, 5, 9, 16])
+    placed = place_cu_seqlens(cu, "cpu")
+    assert torch.equal(placed, cu) and placed is not cu and placed.dtype == cu.dtype
+    assert known_host_values(placed) == [0, 5, 9, 16] and known_host_values(cu.clone()) is None
+    assert cached_plan(placed, ("test",), lambda host: host) == [0, 5, 9, 16]

@@ -51,7 +51,8 @@ def test_the_reference_decodes_one_expert_at_a_time(monkeypatch):
     monkeypatch.setattr(packed_module, "dequantize_mxfp4", lambda p, s, dtype: shapes.append(tuple(p.shape)) or
                         real(p, s, dtype))
     counts = torch.tensor([3, 0, 0, 5, 1, 0, 2, 0])
-    packed.compute(torch.randn(int(counts.sum()), CFG.expert_dim), counts)
+    M = int(counts.sum())
+    packed.compute(torch.randn(M, CFG.expert_dim), counts, torch.rand(M, 1))
     per_call = {(CFG.moe_intermediate_size, CFG.expert_dim // 2), (CFG.expert_dim, CFG.moe_intermediate_size // 2)}
     assert set(shapes) == per_call and len(shapes) == 3 * 4  # 3 matrices of the 4 experts with rows, one by one
 

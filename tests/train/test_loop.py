@@ -10,6 +10,7 @@ import torch
 
 from k3.checkpoint import CheckpointError
 from k3.cli import main
+from k3.distributed.plan import ParallelDims, ParallelPlan
 from k3.train.loop import TrainConfig, train
 from k3.train.metrics import read_metrics
 
@@ -19,7 +20,7 @@ BASE = TrainConfig(out="", preset="tiny", data_max_bytes=400_000, tokenizer_byte
 
 def run(tmp_path, name, **kw):
     cfg = dataclasses.replace(BASE, out=str(tmp_path / name), **kw)
-    return cfg, train(cfg, log=lambda *a: None)
+    return cfg, train(cfg, ParallelPlan(ParallelDims(), cfg.device), log=lambda *a: None)
 
 
 def losses(out):
@@ -139,3 +140,18 @@ def test_extending_a_run_half_way_keeps_the_lr_continuous(tmp_path):
     assert lrs[3] == pytest.approx(BASE.lr * lr_lambda(3, 8))  # step 4 keeps the lr it would have had
     assert all(a > b for a, b in zip(lrs[3:], lrs[4:]))  # then decays, more slowly, over the 9 steps left
     assert lrs[-1] > BASE.lr * BASE.min_lr_ratio and lrs[7] > BASE.lr * lr_lambda(7, 8)
+
+
+def test_memory_policies_train_the_same_curve_with_less_saved(tmp_path):
+    """`k3 train --memory-policy`: the same losses and gradient norms (to float rounding: 1e-6 relative), fewer
+    saved bytes logged."""
+    curves = {}
+    for policy in ("keep", "efficient", "recompute"):
+        cfg, _ = run(tmp_path, policy, steps=2, eval_every=100, memory_policy=policy)
+        curves[policy] = read_metrics(cfg.out)
+    keep = curves.pop("keep")
+    for policy, recs in curves.items():
+        for r, k in zip(recs, keep):
+            assert r["loss"] == pytest.approx(k["loss"], rel=1e-6) and r["grad_norm"] == pytest.approx(k["grad_norm"],
+                                                                                                      rel=1e-6), policy
+        assert all(0 < r["saved_activation_bytes"] < k["saved_activation_bytes"] for r, k in zip(recs, keep)), policy

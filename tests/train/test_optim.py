@@ -11,6 +11,7 @@ from k3.layers.sequence.kda import KimiDeltaAttention
 from k3.layers.sequence.mla import GatedMLA, max_causal_logit
 from k3.layers.width.latent_moe import LatentMoE
 from k3.train.optim import CombinedOptimizer, Muon, build_optimizer, describe_param_groups, newton_schulz
+from k3.train.optim.muon import block_shape, parse_split, to_blocks
 from k3.train.qk_clip import enable_max_logit_tracking, qk_clip_
 from k3.train.schedule import build_scheduler, lr_lambda
 
@@ -397,3 +398,38 @@ def test_schedule_resumed_with_another_total_is_continuous():
     same = {"step": r, "schedule": {"total_steps": new, "resumed_at": point}}
     assert resume_point(same, old, new) == point  # unchanged total: the checkpoint's own schedule
     assert resume_point({"step": r}, old, old) is None
+
+
+def test_batched_newton_schulz_equals_one_call_per_matrix():
+    """The batched iteration (one bmm chain over [N, A, B]) is the per-matrix iteration run N times: each matrix
+    is normalised by its own norm, so batching changes nothing but the launch count (bitwise on CPU, fp32)."""
+    G = torch.randn(6, 24, 40)
+    G[2] *= 1e3  # very different scales in one batch
+    batched = newton_schulz(G)
+    for i in range(G.shape[0]):
+        torch.testing.assert_close(batched[i], newton_schulz(G[i]), atol=0, rtol=0)
+
+
+def test_muon_runs_one_newton_schulz_per_shape_group(monkeypatch):
+    """A whole model's step: one batched Newton-Schulz call per distinct (min, max) block shape, whatever the number
+    of parameters, heads and experts, and the same update as one call per parameter."""
+    import k3.train.optim.muon as muon
+
+    model = K3ForCausalLM(TINY)
+    calls = []
+    real = muon.newton_schulz
+    monkeypatch.setattr(muon, "newton_schulz", lambda G, *a, **k: calls.append(tuple(G.shape)) or real(G, *a, **k))
+    opt = build_optimizer(model, lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    shapes = set()
+    for group in opt.optimizers["muon"].param_groups:
+        for p in group["params"]:
+            kind, H = parse_split(group["split"], p.shape)
+            A, B = block_shape(p.shape, kind, H)
+            shapes.add((min(A, B), max(A, B)))
+    opt.step()
+    assert sorted(c[1:] for c in calls) == sorted(shapes)  # one call per shape, every block of it inside
+    blocks = sum(to_blocks(p, *parse_split(g["split"], p.shape)).shape[0]
+                 for g in opt.optimizers["muon"].param_groups for p in g["params"])
+    assert sum(c[0] for c in calls) == blocks > len(calls)

@@ -15,6 +15,7 @@ from torch import nn
 
 from ...ops.attn_res import attn_res_mix
 from ..norm import RMSNorm
+from ..regions import region
 
 
 class PseudoQuery(nn.Module):
@@ -36,15 +37,16 @@ class DepthStream:
         self.partial: torch.Tensor | None = embedding  # running sum of the current block
         self.sublayer = 0
 
-    def read(self, query: PseudoQuery | None) -> torch.Tensor:
-        """The input of the next sub-layer; seals a block when the sub-layer opens a new one."""
+    def read(self, query: PseudoQuery | None, norm: nn.Module | None = None) -> torch.Tensor:
+        """The input of the next sub-layer, through the sub-layer's pre-norm ``norm`` when given; seals a block when
+        the sub-layer opens a new one."""
         if self.mode == "none":
-            return self.partial
+            return self.partial if norm is None else norm(self.partial)
         sources = self.blocks + ([self.partial] if self.partial is not None else [])
         if len(sources) == 1:
-            h = sources[0]
+            h = sources[0] if norm is None else norm(sources[0])
         else:
-            h = attn_res_mix(torch.stack(sources), query.proj.weight[0], query.norm.weight, self.eps)
+            h = self._mix(query, sources, norm)
         if self.sublayer % self.block_size == 0 and self.partial is not None:
             self.blocks.append(self.partial)
             self.partial = None
@@ -59,8 +61,21 @@ class DepthStream:
         if self.mode == "none":
             return self.partial
         sources = self.blocks + ([self.partial] if self.partial is not None else [])
-        return attn_res_mix(torch.stack(sources), query.proj.weight[0], query.norm.weight, self.eps)
+        return self._mix(query, sources)
+
+    def _mix(self, query: PseudoQuery, sources: list[torch.Tensor], norm: nn.Module | None = None) -> torch.Tensor:
+        """The "attn_res" region (k3.layers.regions): the mix and the sub-layer's pre-norm. Its inputs are the
+        sources themselves (blocks built once, at their boundary, and shared by every later read; the partial sum is
+        the residual stream), so a policy that recomputes it keeps nothing of its own: a layer then saves exactly
+        what a plain residual layer saves (tests/train/test_memory.py)."""
+        return region("attn_res", _mix_and_norm, self.eps, query.proj.weight, query.norm.weight, norm, *sources)
 
     @staticmethod
     def sublayer_block_size(mode: str, decoder_block_size: int) -> int:
         return 1 if mode == "full" else 2 * decoder_block_size
+
+
+def _mix_and_norm(eps: float, proj_weight: torch.Tensor, key_norm_weight: torch.Tensor, norm: nn.Module | None,
+                  *sources: torch.Tensor) -> torch.Tensor:
+    h = attn_res_mix(torch.stack(sources), proj_weight[0], key_norm_weight, eps)
+    return h if norm is None else norm(h)

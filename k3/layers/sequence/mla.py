@@ -4,7 +4,9 @@ Legend: B batch, T query time, S key time, D hidden, H heads, Dn nope dim, Dr ro
 R kv_lora_rank. Per token the cache is c_kv (R) + k_pe (Dr), shared by all heads.
 
 Two attention paths, chosen in ``forward``:
-- naive (training, prefill): expand c_kv to per-head k_nope and v, then ``scaled_dot_product_attention``;
+- naive (training, prefill): expand c_kv to per-head k_nope and v, then attention: over packed documents one
+  flash-attention varlen call on CUDA (``attend_varlen``), else length groups of padded SDPA calls
+  (``attend_documents``, the CPU path and the reference); one SDPA call for unpacked rows;
 - absorbed (decode): fold W_uk into the query, attend in the R-dim latent space (MQA style), apply W_uv after.
 
 With ``track_max_logit = True`` a training forward also records ``max_logit`` [H] fp32, the largest
@@ -92,6 +94,53 @@ def attend_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return plan.scatter(outs, dim=1)[None], best
 
 
+def _varlen_kernel():
+    """torch's flash-attention varlen entry point (torch >= 2.10 on CUDA builds), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def varlen_attention_available(q: torch.Tensor) -> bool:
+    """One flash-attention varlen call can run these queries: CUDA, bf16/fp16, a head dim flash supports."""
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
+            and _varlen_kernel() is not None)
+
+
+def attend_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
+                  track_max_logit: bool = False):
+    """Causal attention within each packed document in ONE flash-attention varlen call: q, k [1,H,T,Dk], v [1,H,T,Dv]
+    (bf16/fp16, CUDA) -> (o [1,H,T,Dv] fp32, max logit [H] fp32 or None). No padding, no grouping: the kernel walks
+    the documents itself (softmax and accumulation in fp32, the output rounded to q's dtype). Flash attention takes
+    one head dim for q, k and v, so v is zero-padded to Dk and the output cut back (MLA: 192 vs 128). The lengths'
+    maximum comes from the host values of cu_seqlens (``cached_plan``): no read of the device. QK-clip's statistic
+    is not a by-product of the kernel: with ``track_max_logit`` it is computed exactly over the documents' groups."""
+    cu, longest = cached_plan(cu_seqlens, ("longest",), lambda cu: (cu, max(b - a for a, b in zip(cu, cu[1:]))))
+    Dk, Dv = q.shape[-1], v.shape[-1]
+    qt, kt, vt = (x[0].transpose(0, 1) for x in (q, k, v))  # [T,H,D]
+    if Dv < Dk:
+        vt = F.pad(vt, (0, Dk - Dv))
+    cu32 = cu_seqlens.to(torch.int32)
+    o = _varlen_kernel()(qt, kt, vt, cu32, cu32, longest, longest, scale=scale, window_size=(-1, 0))  # (-1, 0): causal
+    m = documents_max_logit(q, k, cu_seqlens, scale) if track_max_logit else None
+    return o[..., :Dv].transpose(0, 1)[None].float(), m
+
+
+def documents_max_logit(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
+                        overhead: float = GROUP_OVERHEAD) -> torch.Tensor:
+    """Per-head max of the causal within-document logits of packed q, k [1,H,T,Dk] -> [H] fp32 (QK-clip)."""
+    cu, plan = cached_plan(cu_seqlens, ("mla", overhead, q.device),
+                           lambda cu: (cu, grouped_documents(cu, overhead, 2, q.device)))
+    best = None
+    for grp in plan.groups:
+        qg, kg = (grp.pad(x[0], dim=1).transpose(0, 1) for x in (q, k))  # [n,H,L,Dk]
+        m = max_causal_logit(qg, kg, scale, grp.valid)
+        best = m if best is None else torch.maximum(best, m)
+    return best
+
+
 class GatedMLA(nn.Module):
     def __init__(self, config: K3Config, layer_idx: int = 0):
         super().__init__()
@@ -102,6 +151,7 @@ class GatedMLA(nn.Module):
         self.scale = config.qk_head_dim ** -0.5
         self.use_rope, self.rope_theta = not config.mla_use_nope, config.rope_theta
         self.fp32_attention = True  # attention output kept in fp32 while training (SPEC §2.2)
+        self.varlen_attention = True  # packed documents on CUDA: one flash varlen call (attend_varlen) when it can run
         self.track_max_logit = False  # QK-clip (SPEC §5): record per-head max logits in training forwards
         self.max_logit: torch.Tensor | None = None  # [H] fp32
         qd = H * config.qk_head_dim
@@ -160,16 +210,20 @@ class GatedMLA(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [B,H,T,Dn+Dr]
         k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, T, H, self.pe)], dim=-1).transpose(1, 2)
         v = v.transpose(1, 2)
-        if self.fp32_attention and self.training:
-            q, k, v = q.float(), k.float(), v.float()
         track = self.track_max_logit and self.training
-        if cu_seqlens is not None:  # packed documents (B = 1): causal attention within each
-            if B != 1:
-                raise ValueError(f"packed documents (cu_seqlens) come in batch 1; got batch {B}")
-            o, m = attend_documents(q, k, v, cu_seqlens, self.scale, track)
+        if cu_seqlens is not None and B != 1:
+            raise ValueError(f"packed documents (cu_seqlens) come in batch 1; got batch {B}")
+        if cu_seqlens is not None and self.varlen_attention and varlen_attention_available(q):
+            # packed documents on CUDA: one flash varlen kernel over all documents (bf16 in, fp32 accumulation)
+            o, m = attend_varlen(q, k, v, cu_seqlens, self.scale, track)
         else:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-            m = max_causal_logit(q, k, self.scale) if track else None
+            if self.fp32_attention and self.training:
+                q, k, v = q.float(), k.float(), v.float()
+            if cu_seqlens is not None:  # packed documents (B = 1): length groups of padded SDPA calls
+                o, m = attend_documents(q, k, v, cu_seqlens, self.scale, track)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+                m = max_causal_logit(q, k, self.scale) if track else None
         if m is not None:
             self.max_logit = m if self.max_logit is None else torch.maximum(self.max_logit, m)
         o = o.transpose(1, 2).reshape(B, T, H * self.dv)  # [B,T,H*Dv]

@@ -23,6 +23,7 @@ from ...ops.routing import bincount
 from ...ops.situ import glu
 from ..fuse import fuse_linears, use_fused
 from ..norm import RMSNorm
+from ..regions import region
 from .mlp import GatedMLP
 from .router import Router
 
@@ -48,36 +49,46 @@ class ExpertBank(nn.Module):
         self.qat = config.qat
 
     def forward(self, z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """z [N,L], weights/idx [N,k] -> sum_j w_j E_j(z) [N,L] in fp32."""
+        """z [N,L], weights/idx [N,k] -> sum_j w_j E_j(z) [N,L] in fp32.
+
+        The routing weight scales each row BEFORE the down projection, w (h W2^T) = (w h) W2^T: autograd then
+        saves h and w h [M,I] in the compute dtype instead of the expert output [M,L] in fp32, and forms the
+        weight's gradient as rowsum(h * (dy W2)) from the act output and the gradient the down projection needs
+        anyway (SonicMoE's rewrite); equal to weighting afterwards up to float rounding."""
         if self.qat is None and decode_applies(z, idx):  # a few tokens on CUDA, no gradient: two fused kernels
             return expert_decode(z, weights, idx, self.w1, self.w3, self.w2, self.act, self.b1, self.b2)
         return route_to_experts(z, weights, idx, self.w1.shape[0], self.compute)
 
-    def compute(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x [M,L] sorted by expert, counts [E] -> [M,L]."""
-        return expert_glu(x, counts, self.w1, self.w3, self.w2, self.act, self.b1, self.b2, self.qat)
+    def compute(self, x: torch.Tensor, counts: torch.Tensor, row_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M,L] sorted by expert, counts [E], row_weights [M,1] (or None) -> each row's expert output [M,L]."""
+        return expert_glu(x, counts, self.w1, self.w3, self.w2, self.act, self.b1, self.b2, self.qat, row_weights)
 
 
 def route_to_experts(z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, num_experts: int, experts):
-    """z [N,L], weights/idx [N,k] -> sum_j w_j E_j(z) [N,L] fp32; ``experts(x [M,L] sorted by expert, counts [E])``
-    computes every routed row (a bank's ``compute``)."""
+    """z [N,L], weights/idx [N,k] -> sum_j w_j E_j(z) [N,L] fp32; ``experts(x [M,L] sorted by expert, counts [E],
+    row_weights [M,1])`` computes every routed row scaled by its routing weight (a bank's ``compute``)."""
     N, k = idx.shape
     flat = idx.reshape(-1)
     order = flat.argsort(stable=True)  # rows grouped by expert
     counts = bincount(flat, num_experts)
     token = order // k
-    out = experts(z[token], counts).float() * weights.reshape(-1)[order, None]
+    out = experts(z[token], counts, weights.reshape(-1)[order, None]).float()
     return torch.zeros(N, z.shape[-1], dtype=torch.float32, device=z.device).index_add_(0, token, out)
 
 
-def expert_glu(x, counts, w1, w3, w2, act: str, b1: float, b2: float, qat: str | None = None) -> torch.Tensor:
-    """x [M,L] sorted by expert, counts [E], w1/w3 [E,I,L], w2 [E,L,I] -> each row's SiTU-GLU expert [M,L].
-    ``qat="mxfp4"``: MXFP4 weights and MXFP8 matmul inputs, fake-quantised (SPEC §6)."""
+def expert_glu(x, counts, w1, w3, w2, act: str, b1: float, b2: float, qat: str | None = None,
+               row_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M,L] sorted by expert, counts [E], w1/w3 [E,I,L], w2 [E,L,I] -> each row's SiTU-GLU expert [M,L], scaled
+    by ``row_weights`` [M,1] when given (on the down projection's input: ExpertBank.forward says why).
+    ``qat="mxfp4"``: MXFP4 weights and MXFP8 matmul inputs, fake-quantised (SPEC §6); the routing weight then
+    scales the quantised input, as serving scales the packed matmul's output."""
     if qat is not None:
         w1, w3, w2, x = fake_quant_mxfp4(w1), fake_quant_mxfp4(w3), fake_quant_mxfp4(w2), fake_quant_mxfp8(x)
     h = glu(grouped_mm(x, w1, counts), grouped_mm(x, w3, counts), act, b1, b2)
     if qat is not None:
         h = fake_quant_mxfp8(h)
+    if row_weights is not None:
+        h = (h * row_weights).to(h.dtype)  # [M,I]; bf16 stays bf16 for the fused matmul
     return grouped_mm(h, w2, counts)
 
 
@@ -126,7 +137,7 @@ class LatentMoE(nn.Module):
             shared = self.shared_experts.down_proj(self.shared_experts.activation(gate, up))
         else:
             z = self.routed_expert_down_proj(x) if self.routed_expert_down_proj is not None else x
-        u = self.experts(z, weights, idx)  # [N,L] fp32
+        u = region("moe_experts", self.experts, z, weights, idx)  # [N,L] fp32; recomputable from the dispatch input
         if self.routed_expert_norm is not None:
             u = self.routed_expert_norm(u)
         u = u.to(x.dtype)

@@ -25,6 +25,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N,D] -> (weights [N,k] fp32, indices [N,k], scores [N,E] fp32)."""
-        scores = router_scores(x.float() @ self.weight.float().T, self.score_func)
+        with torch.autocast(x.device.type, enabled=False):  # fp32 scores (SPEC §4); autocast would run bf16
+            scores = router_scores(x.float() @ self.weight.float().T, self.score_func)
         w, idx = select_experts(scores, self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
         return w, idx, scores

@@ -47,13 +47,24 @@ def _require(x: torch.Tensor):
     return ops
 
 
+@functools.lru_cache(maxsize=1)
+def _has_static_chunk_list() -> bool:
+    import inspect
+
+    return "use_graph" in inspect.signature(_fla_ops()[0]).parameters
+
+
 def fla_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                   cu_seqlens=None, lower_bound=None):
     chunk, _ = _require(q)
+    # use_graph: fla-core (>= 0.6) builds its list of (document, chunk) pairs on the device in a fixed shape
+    # (ceil(T/64) + N - 1 rows, the spare ones skipped by the kernels) instead of reading cu_seqlens back to the host,
+    # a wait for every queued kernel in each forward and backward of packed documents
+    static = {"use_graph": True} if cu_seqlens is not None and _has_static_chunk_list() else {}
     # safe_gate: the gate is known to stay above lower_bound, which enables fla's M=16 tensor-core tiles
     return chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                 safe_gate=lower_bound is not None, lower_bound=lower_bound)
+                 safe_gate=lower_bound is not None, lower_bound=lower_bound, **static)
 
 
 def fla_fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

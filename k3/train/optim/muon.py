@@ -160,23 +160,42 @@ class Muon(Optimizer):
         return loss
 
     def _update(self, items: list, steps: int, eps: float, n_max: int) -> None:
+        """One bucket: blocks of one (wide) shape from any number of parameters. Momentum, Nesterov, decay and the
+        update run as foreach ops (a few kernels per bucket, not a few per parameter); Newton-Schulz as ONE batched
+        bmm chain over every block of the bucket."""
+        for p, _, _, _ in items:
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+        us = [None] * len(items)
+        for (mu, nesterov), idx in _by(items, lambda g: (g["momentum"], g["nesterov"])).items():
+            grads = [items[i][0].grad for i in idx]
+            bufs = [self.state[items[i][0]]["momentum_buffer"] for i in idx]
+            torch._foreach_lerp_(bufs, grads, 1 - mu)
+            for i, u in zip(idx, torch._foreach_lerp(grads, bufs, mu) if nesterov else bufs):
+                us[i] = u
         blocks = []
-        for p, group, kind, H in items:
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-            buf, mu = state["momentum_buffer"], group["momentum"]
-            buf.lerp_(p.grad, 1 - mu)
-            u = p.grad.lerp(buf, mu) if group["nesterov"] else buf
+        for (p, group, kind, H), u in zip(items, us):
             u = to_blocks(u.full_tensor() if isinstance(u, DTensor) else u, kind, H)  # [N,A,B], whole matrices
             blocks.append(u.mT if u.shape[-2] > u.shape[-1] else u)  # NS(X^T) = NS(X)^T: batch in one orientation
         O = newton_schulz(torch.cat(blocks), steps, eps=eps).split([b.shape[0] for b in blocks])
         scale = 0.2 * math.sqrt(n_max)
+        updates = []
         for (p, group, kind, H), o in zip(items, O):
             A, _ = block_shape(p.shape, kind, H)
             o = o.mT if o.shape[-2] != A else o
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(_like(p, from_blocks(o, kind, p.shape).to(p.dtype)), alpha=-group["lr"] * scale)
+            updates.append(_like(p, from_blocks(o, kind, p.shape).to(p.dtype)))
+        for (lr, wd), idx in _by(items, lambda g: (g["lr"], g["weight_decay"])).items():
+            params = [items[i][0] for i in idx]
+            torch._foreach_mul_(params, 1 - lr * wd)
+            torch._foreach_add_(params, [updates[i] for i in idx], alpha=-lr * scale)
+
+
+def _by(items: list, key) -> dict:
+    """Indices of ``items`` grouped by ``key(param group)``, in order."""
+    out: dict = {}
+    for i, (_, group, _, _) in enumerate(items):
+        out.setdefault(key(group), []).append(i)
+    return out
 
 
 def _like(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:

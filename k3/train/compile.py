@@ -1,0 +1,53 @@
+"""Regional ``torch.compile`` for training (``k3 train --compile``), applied from outside the model code.
+
+What is compiled, per decoder layer (the MTP layer's too): the FFN (a LatentMoE: router, latent projections,
+dispatch, expert matmuls, combine, norm and shared experts; or the dense GatedMLP), KDA's gated per-head output
+norm, and every "attn_res" region (``k3.layers.regions``: the AttnRes mix and the sub-layer's pre-norm). These are
+the parts made of many small elementwise and reduction kernels. The token mixers' kernels (fla's KDA, MLA's
+attention over packed documents, which plans its groups on the host) stay eager: torchtitan compiles whole blocks,
+but a whole K3 layer carries a host-planned attention and the KDA reference's data-dependent loops.
+
+Compiled regions compute the same function; inductor may reorder floating-point sums, so losses and gradients
+agree to float rounding (tests/train/test_compile.py). The CPU needs a C compiler for inductor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers.regions import set_region_compiler
+
+__all__ = ["compile_model", "compiled_regions"]
+
+
+def compiled_regions(model: nn.Module) -> list[nn.Module]:
+    """The modules ``compile_model`` compiles in place."""
+    from ..model.block import DecoderLayer
+
+    out = []
+    for layer in model.modules():
+        if isinstance(layer, DecoderLayer):
+            out.append(layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp)
+            if layer.kind == "kda":
+                out.append(layer.self_attn.o_norm)
+    return out
+
+
+def compile_model(model: nn.Module, **options) -> None:
+    """Compile ``model``'s regions in place (``nn.Module.compile``: parameter names unchanged) and the "attn_res"
+    regions of every model in this process; ``options`` go to ``torch.compile``."""
+    for m in compiled_regions(model):
+        m.compile(**options)
+    compiled = {}
+
+    def compiler(name, fn):
+        if name != "attn_res":  # "moe_experts" runs inside a compiled FFN
+            return fn
+        if fn not in compiled:
+            compiled[fn] = torch.compile(fn, **options)
+        return compiled[fn]
+
+    # one graph per number of depth sources (up to the number of AttnRes blocks + 1), train and eval
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    set_region_compiler(compiler)

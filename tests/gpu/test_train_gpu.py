@@ -1,0 +1,153 @@
+"""The training step's GPU paths against their references (run on an H200 by the lead; skipped without CUDA).
+
+`small` with 16 KDA heads of 128 shares fla's autotuning with tests/gpu/test_fla.py (run them in one pytest call, as
+`gpu_session.sh tests` does). bf16 autocast throughout, as `k3 train` runs on CUDA; tolerances are RMS ratios
+(tests.conftest.assert_close) sized for bf16.
+"""
+
+import pytest
+import torch
+
+from k3 import K3Config, K3ForCausalLM
+from tests.conftest import assert_close
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("fla.ops.kda")
+
+CFG = K3Config.preset("small").replace(kda_num_heads=16)
+CU = torch.tensor([0, 700, 701, 2048, 3000, 4096])  # packed documents of several lengths, one of a single token
+
+
+def packed_batch(vocab: int = CFG.vocab_size) -> dict:
+    torch.manual_seed(1)
+    return {"input_ids": torch.randint(0, vocab, (1, int(CU[-1]))), "cu_seqlens": CU.clone()}
+
+
+def step(model, plan, batch, memory=None):
+    """One training forward and backward through the one-process plan: (loss, gradients)."""
+    from contextlib import nullcontext
+
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16), (memory.forward() if memory else nullcontext()):
+        out = plan.loss(model, batch, 0.3)
+    out.loss.backward()
+    return out.lm_loss.float(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def one_process():
+    from k3.distributed.plan import ParallelDims, ParallelPlan
+
+    return ParallelPlan(ParallelDims(), device="cuda")
+
+
+def test_packed_mla_varlen_matches_the_grouped_path():
+    """GatedMLA over packed documents: one flash varlen call (bf16) against the fp32 length-grouped SDPA path."""
+    from k3.layers.sequence.mla import GatedMLA, varlen_attention_available
+
+    torch.manual_seed(0)
+    layer = GatedMLA(CFG).cuda().train()
+    layer.track_max_logit = True
+    x = torch.randn(1, int(CU[-1]), CFG.hidden_size, device="cuda")
+    cu = CU.cuda()
+    runs = []
+    for varlen in (True, False):
+        layer.varlen_attention, layer.max_logit = varlen, None
+        layer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(x, cu)
+        y.float().pow(2).mean().backward()
+        runs.append((y.float(), layer.max_logit, {n: p.grad.float() for n, p in layer.named_parameters()}))
+    assert varlen_attention_available(torch.zeros(1, 1, 1, CFG.qk_head_dim, device="cuda", dtype=torch.bfloat16))
+    (y1, m1, g1), (y0, m0, g0) = runs
+    assert_close("output", y0, y1, 1e-2)
+    assert_close("max logit", m0, m1, 1e-2)
+    for n, g in g0.items():
+        assert_close(n, g, g1[n], 2e-2)
+
+
+def test_training_step_never_waits_for_the_device():
+    """After a warm-up step, a whole training forward and backward on packed documents (fla's KDA with its
+    device-side chunk list, flash varlen MLA, the MoE's grouped matmul, the losses, Quantile Balancing's
+    accumulation) issues no synchronising CUDA call: torch.cuda.set_sync_debug_mode("error") raises at the
+    first one, naming it."""
+    from k3.train.balance import ExpertBalancer
+    from k3.train.qk_clip import enable_max_logit_tracking
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM(CFG).cuda().train()
+    enable_max_logit_tracking(model)
+    balancer, plan = ExpertBalancer(model), one_process()
+    step(model, plan, packed_batch())
+    balancer.observe()
+    balancer.step()
+    torch.cuda.synchronize()
+    batch = packed_batch()  # a new batch: its plans are built inside the checked region too
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(model, plan, batch)
+        balancer.observe()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_memory_policies_give_the_same_step_with_less_peak_memory():
+    """keep / efficient / offload on `small`: the same loss (the forward is the same), gradients to bf16 rounding,
+    and lower peak memory in that order."""
+    from k3.train.memory import ActivationManager
+
+    runs = {}
+    for policy in ("keep", "efficient", "offload"):
+        torch.manual_seed(0)
+        model = K3ForCausalLM(CFG).cuda().train()
+        memory = ActivationManager(policy)
+        memory.attach(model)
+        plan = one_process()
+        step(model, plan, packed_batch(), memory)  # warm-up
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        loss, grads = step(model, plan, packed_batch(), memory)
+        torch.cuda.synchronize()
+        runs[policy] = (loss, grads, torch.cuda.max_memory_allocated())
+        del model
+        torch.cuda.empty_cache()
+    ref_loss, ref_grads, keep_peak = runs["keep"]
+    for policy in ("efficient", "offload"):
+        loss, grads, _ = runs[policy]
+        torch.testing.assert_close(loss, ref_loss, atol=1e-3, rtol=1e-3)
+        for n, g in ref_grads.items():
+            assert_close(f"{policy} {n}", g, grads[n], 2e-2)
+    assert runs["offload"][2] < runs["efficient"][2] < keep_peak, {p: r[2] / 2**30 for p, r in runs.items()}
+
+
+def test_compiled_regions_match_eager():
+    """Gradients on the variant with dense FFNs in every layer (through top-k routing they are not comparable: at
+    initialisation the router's scores nearly tie, and a different summation order flips expert choices, see
+    test_fla.py); the MoE model by its loss."""
+    from k3.layers.regions import set_region_compiler
+    from k3.train.compile import compile_model
+
+    previous = set_region_compiler(None)
+    try:
+        for cfg, grads_too in ((CFG.replace(first_k_dense_replace=CFG.num_hidden_layers), True), (CFG, False)):
+            torch.manual_seed(0)
+            model = K3ForCausalLM(cfg).cuda().train()
+            plan = one_process()
+            ref_loss, ref_grads = step(model, plan, packed_batch())
+            compile_model(model)
+            for _ in range(2):  # the compiling call, then the compiled graphs
+                loss, grads = step(model, plan, packed_batch())
+                torch.testing.assert_close(loss, ref_loss, atol=2e-2, rtol=2e-3)
+                for n, g in ref_grads.items() if grads_too else ():
+                    assert_close(n, g, grads[n], 3e-2)
+    finally:
+        set_region_compiler(previous)
+
+
+def test_batched_newton_schulz_in_bf16_matches_one_call_per_matrix():
+    from k3.train.optim import newton_schulz
+
+    torch.manual_seed(0)
+    G = torch.randn(12, 128, 384, device="cuda")
+    batched = newton_schulz(G)
+    for i in range(G.shape[0]):
+        assert_close(f"matrix {i}", newton_schulz(G[i]), batched[i], 1e-2)

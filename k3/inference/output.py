@@ -18,7 +18,7 @@ class RequestHandle:
 
     def __init__(self, engine, rid: str):
         self.engine, self.id = engine, rid
-        self.events: queue.Queue = queue.Queue()
+        self.events: queue.SimpleQueue = queue.SimpleQueue()  # C-implemented: a put is ~0.2 us, not ~4
 
     def __iter__(self):
         while True:

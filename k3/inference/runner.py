@@ -126,16 +126,23 @@ class ModelRunner:
         """The next-token logits [B,V] fp32 of one decode step (the pool's state advances by the items' tokens)."""
         if self.use_graphs:
             return self._replay(items)
+        ints, _, table = self._host_inputs(items)
         dev = self.device
-        B = len(items)
-        cols = max(len(it.mla_pages) for it in items) if self.mla_slot else 1
-        table = torch.zeros(B, max(cols, 1), dtype=torch.int32)
-        for b, it in enumerate(items):
-            table[b, : len(it.mla_pages)] = torch.tensor(it.mla_pages, dtype=torch.int32)
-        kda_index = torch.tensor([it.kda_pages for it in items], dtype=torch.long).view(B, -1)
-        return self._forward(torch.tensor([it.token for it in items], device=dev),
-                             torch.tensor([it.position for it in items], device=dev, dtype=torch.int32),
-                             table.to(dev), kda_index.to(dev))
+        return self._forward(ints[:, 0].to(dev), ints[:, 1].to(dev, torch.int32), table.to(dev), ints[:, 5:].to(dev))
+
+    def _host_inputs(self, items: list[DecodeItem]):
+        """A decode step's inputs on the host, each built by one ``torch.tensor`` call (the host work of a step is
+        on the critical path: ``benchmarks/bench_host.py``): ints [B, 5 + kda_pages] long (token, position, top_k,
+        seed, step, KDA pages), floats [B, 2] fp32 (temperature, top_p), page table [B, cols] int32 padded with the
+        scratch page (cols: the most MLA pages of any row; [B, 1] without MLA layers)."""
+        ints = torch.tensor([[it.token, it.position, it.sample.top_k, it.sample.seed, it.sample.step, *it.kda_pages]
+                             for it in items], dtype=torch.long)
+        floats = torch.tensor([[it.sample.temperature, it.sample.top_p] for it in items], dtype=torch.float32)
+        s = self.pool.scratch
+        cols = max(max(len(it.mla_pages) for it in items), 1) if self.mla_slot else 1
+        table = torch.tensor([it.mla_pages + [s] * (cols - len(it.mla_pages)) for it in items] if self.mla_slot
+                             else [[s]] * len(items), dtype=torch.int32)
+        return ints, floats, table
 
     def _decode_logits(self, ids, positions, page_table, kda_index) -> torch.Tensor:
         """ids [B], positions [B] int32, page_table [B,P] int32, kda_index [B,kda_pages] long -> logits [B,V] fp32."""
@@ -221,20 +228,14 @@ class ModelRunner:
         B = len(items)
         bs = self._bucket(B)
         graph = self._graph_for(bs)
-        host, host_f = self._host, self._host_f
-        host[:B] = torch.tensor([[it.token, it.position, it.sample.top_k, it.sample.seed, it.sample.step, *it.kda_pages]
-                                 for it in items], dtype=torch.long)
-        host_f[:B] = torch.tensor([[it.sample.temperature, it.sample.top_p] for it in items], dtype=torch.float32)
-        self._ints[:B].copy_(host[:B], non_blocking=True)
-        self._floats[:B].copy_(host_f[:B], non_blocking=True)
+        ints, floats, table = self._host_inputs(items)
+        self._host[:B], self._host_f[:B] = ints, floats
+        self._ints[:B].copy_(self._host[:B], non_blocking=True)
+        self._floats[:B].copy_(self._host_f[:B], non_blocking=True)
         if bs > B:
             self._reset_rows(B, bs)
         if self.mla_slot:
-            cols = max(len(it.mla_pages) for it in items)
-            t = torch.full((B, cols), self.pool.scratch, dtype=torch.int32)
-            for b, it in enumerate(items):
-                t[b, : len(it.mla_pages)] = torch.tensor(it.mla_pages, dtype=torch.int32)
-            self._table[:B, :cols].copy_(t, non_blocking=True)
+            self._table[:B, : table.shape[1]].copy_(table, non_blocking=True)
         graph.replay()
         return self._logits[:B]
 

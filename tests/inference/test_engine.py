@@ -241,9 +241,9 @@ def test_an_engine_failure_ends_every_request_with_its_reason(tok, monkeypatch):
         raise IndexError("index 4096 is out of bounds for dimension 0 with size 300")
 
     monkeypatch.setattr(eng.runner, "execute", broken)
-    eng.start()
+    handles = [eng.submit(GenerationRequest((1, 2, 3), SamplingParams(max_tokens=4))) for _ in range(3)]
+    eng.start()  # after the submissions: the loop fails at its first step, and would refuse later ones
     try:
-        handles = [eng.submit(GenerationRequest((1, 2, 3), SamplingParams(max_tokens=4))) for _ in range(3)]
         for h in handles:
             fin = list(h)[-1]  # never a hang
             assert fin.reason == "error" and "IndexError: index 4096" in fin.error

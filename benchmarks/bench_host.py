@@ -66,7 +66,7 @@ def host_step_us(batch: int, steps: int, context: int = 100) -> dict:
     runner_mod.sample = fake_sample
     timed(eng.scheduler, "schedule", acc, "schedule")
     timed(eng.scheduler, "update", acc, "update")
-    timed(eng.runner, "execute", acc, "runner")
+    timed(eng.runner, "launch", acc, "runner")
     timed(eng.output, "deliver", acc, "output")
     g = torch.Generator().manual_seed(batch)
     params = SamplingParams(max_tokens=3 * steps + 10, temperature=0, ignore_eos=True)

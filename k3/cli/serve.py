@@ -53,6 +53,8 @@ def add_arguments(p) -> None:
                    help="prompts this long are the long class: they get at most half the prefill budget and the "
                         "pool while short requests wait")
     s.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (no graphs, no compile)")
+    s.add_argument("--no-async-scheduling", action="store_true",
+                   help="read each step's results before planning the next (default on CUDA: plan while it runs)")
     add_verify_argument(p)
     add_packed_argument(p)
 
@@ -106,9 +108,11 @@ def run(args) -> int:
         num_pages=pages, page_tokens=args.page_tokens, hash_block=min(args.hash_block, args.page_tokens),
         checkpoint_every=args.checkpoint_every, host_pages=args.host_pages, max_batch=args.max_batch,
         step_tokens=args.step_tokens, prefill_chunk=args.prefill_chunk, long_prompt=args.long_prompt,
-        cuda_graphs=graphs, compile=graphs), model_name=name)
+        cuda_graphs=graphs, compile=graphs, async_scheduling=False if args.no_async_scheduling else None),
+        model_name=name)
     print(f"k3 serve: {name} on {device} ({dtype}), {memory_summary(model)}; page pool {pages} pages x "
           f"{engine.layout.page_bytes / 2**20:.1f} MiB, longest request {engine.max_context:,} tokens; CUDA graphs "
-          f"{'on' if engine.runner.use_graphs else 'off'}", file=sys.stderr, flush=True)
+          f"{'on' if engine.runner.use_graphs else 'off'}, asynchronous scheduling "
+          f"{'on' if engine.async_scheduling else 'off'}", file=sys.stderr, flush=True)
     run_server(engine, host=args.host, port=args.port)
     return 0

@@ -4,8 +4,11 @@
 - ``Scheduler`` (scheduler.py): admission, pages, prefix lookups, the step's plan as plain data;
 - ``ModelRunner`` (runner.py): device buffers, the forward, CUDA graphs, sampling; the only device-aware part;
 - ``OutputProcessor`` (output.py): detokenisation, stop strings, events.
-Each ``step()``: plan = scheduler.schedule(); sampled = runner.execute(plan); scheduler.update(plan); the
-output processor turns sampled tokens into events and says which requests are complete. ``submit`` + ``start``
+Each ``step()``: plan = scheduler.schedule(); runner.launch(plan); the output processor turns the sampled tokens
+into events and says which requests are complete; scheduler.update(plan). With asynchronous scheduling (on by
+default on CUDA, as in vLLM v1) the results read in a step are the PREVIOUS step's: the host plans and launches
+step n+1 while the device still runs step n, and a sequence's next decode takes its token from the device. A
+sequence that step n finishes has run one step too many (its extra token is dropped, its pages freed). ``submit`` + ``start``
 run the same loop on a thread. If a step raises, every open request ends with FinishEvent("error") saying why,
 ``failed`` holds the reason, and later submissions are refused with it: nothing hangs.
 """
@@ -45,6 +48,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # default: on for CUDA with a bf16 model
     compile: bool | None = None  # torch.compile the decode forward; default: with CUDA graphs
     fuse_projections: bool = True  # one matmul per layer input (K3ForCausalLM.fuse_projections)
+    async_scheduling: bool | None = None  # plan step n+1 while the device runs step n; default: on for CUDA
 
     def __post_init__(self):
         for name in ("num_pages", "page_tokens", "hash_block", "checkpoint_every", "prefill_chunk", "step_tokens",
@@ -90,6 +94,9 @@ class Engine:
         self.runner = ModelRunner(self.model, self.pool, self.max_context, config.max_batch, config.cuda_graphs,
                                   config.compile)
         self.output = OutputProcessor(tokenizer, eos_id(tokenizer), self.max_context)
+        self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self._in_flight = None  # (plan, StepResult) of the launched step whose results are not read yet
         self.seqs: dict[str, Sequence] = {}
         self.failed: str | None = None
         self._lock = threading.Lock()
@@ -170,7 +177,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
 
     @property
     def running(self) -> list[Sequence]:
@@ -197,6 +204,7 @@ class Engine:
         with self._lock:
             for seq in list(self.seqs.values()):
                 self._finish(seq, "abort")
+        self._in_flight = None
         self.runner.close()
 
     def _loop(self) -> None:
@@ -219,23 +227,43 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> None:
+        """Plan and launch one step, deliver the tokens of the step before it (asynchronous scheduling) or of this
+        one, then advance the launched step's sequences."""
         with self._lock:
             for seq in [s for s in self.seqs.values() if s.aborted]:
                 self._finish(seq, "abort")
             plan = self.scheduler.schedule()
-            if plan.empty and self.scheduler.waiting and not self.scheduler.running:
+            if plan.empty and self._in_flight is None and self.scheduler.waiting and not self.scheduler.running:
                 seq = self.scheduler.waiting[0]  # nothing runs and it cannot start: say so rather than spin
                 self._finish(seq, "error", f"request {seq.id} cannot be scheduled: the page pool has "
                                            f"{self.pool.available} pages available")
-        if plan.empty:
+        launched = None
+        if not plan.empty:
+            result = self.runner.launch(plan)
+            for it in [*plan.prefill, *plan.decode]:
+                if it.sample is not None:
+                    self.seqs[it.seq_id].in_flight += 1
+            launched = (plan, result)
+        if not self.async_scheduling:
+            if launched is not None:
+                with self._lock:
+                    self.scheduler.update(plan, self.seqs)  # before delivery can finish (and unlist) a sequence
+                self._deliver(launched[1].wait())
             return
-        sampled = self.runner.execute(plan)
+        ready, self._in_flight = self._in_flight, launched
+        if ready is not None:
+            self._deliver(ready[1].wait())  # first: the tokens this plan fed from the device are then known
+        if launched is not None:
+            with self._lock:
+                self.scheduler.update(plan, self.seqs)
+
+    def _deliver(self, sampled) -> None:
         with self._lock:
-            self.scheduler.update(plan, self.seqs)
             for sid, s in sampled.items():
                 seq = self.seqs.get(sid)
                 if seq is None or seq.finished:
-                    continue
+                    continue  # aborted, or finished by an earlier token: this one was computed too many
+                seq.in_flight -= 1
                 reason = self.output.deliver(seq, s)
                 if reason is not None:
                     self._finish(seq, reason)

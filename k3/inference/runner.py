@@ -9,7 +9,9 @@ P max pages per sequence, V vocabulary, K reported alternatives.
 - Decode: one token per row (``DecodeMixer``: state and latents read and written in place). On CUDA with a
   bf16/fp16 model the forward and the sampler are captured as CUDA graphs per batch-size bucket (1, 2, 4, ...,
   256) over static buffers; a step copies its inputs into those buffers (three host-to-device copies), replays
-  two graphs and brings the sampled tokens back in one device-to-host copy. With ``compile`` the forward is
+  two graphs and brings the sampled tokens back in one non-blocking device-to-host copy (``launch`` returns at
+  once; ``StepResult.wait`` reads them). The sampled tokens also stay on the device: a decode row whose token the
+  host has not seen yet (``FROM_DEVICE``, asynchronous scheduling) reads it from there. With ``compile`` the forward is
   ``torch.compile``d first (the custom decode kernels stay opaque). Padded rows of a bucket read and write the
   pool's scratch page only.
 """
@@ -22,9 +24,25 @@ from ..ops.grouped_mm import fused_dtypes
 from .mixers import DecodeMixer, PrefillMixer, register_pool, release_pool
 from .pool import PagePool
 from .sampler import TOP_LOGPROBS, sample
-from .scheduler import DecodeItem, PrefillItem, Sampled, SchedulerOutput
+from .scheduler import FROM_DEVICE, DecodeItem, PrefillItem, Sampled, SchedulerOutput
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+N_INT = 6  # int64 inputs of a decode row before its KDA pages: token, position, top_k, seed, step, source row
+
+
+class StepResult:
+    """A launched step's sampled tokens: ``wait()`` -> {seq id: Sampled}. On CUDA the results come back through a
+    non-blocking copy into pinned memory, so the host can plan the next step while the device runs this one."""
+
+    def __init__(self, host: torch.Tensor | None, event, ids: list[str], wants: list[int]):
+        self.host, self.event, self.ids, self.wants = host, event, ids, wants
+
+    def wait(self) -> dict[str, Sampled]:
+        if self.host is None:
+            return {}
+        if self.event is not None:
+            self.event.synchronize()
+        return _unpack(self.host, self.ids, self.wants)
 
 
 def _pack(tokens, lp, top_lp, top_id) -> torch.Tensor:
@@ -67,6 +85,14 @@ class ModelRunner:
         if self.compile:
             self._forward = torch.compile(self._decode_logits, dynamic=True)
             self._sample = torch.compile(sample, dynamic=True)
+        # the tokens the last launched step sampled, by row (prefill rows first), and each row's sequence: a decode
+        # row whose token is FROM_DEVICE reads it here (a static buffer: CUDA graphs read it by address)
+        self._prev_tokens = torch.zeros(max(max_batch, max(self.sizes)), dtype=torch.long, device=self.device)
+        self._prev_row: dict[str, int] = {}
+        self._flip = 0
+        if self.device.type == "cuda":
+            self._host_result = [torch.zeros(len(self._prev_tokens), 2 + 2 * TOP_LOGPROBS).pin_memory()
+                                 for _ in range(2)]
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._sample_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         if self.use_graphs:
@@ -78,17 +104,40 @@ class ModelRunner:
     # ---- the plan ---------------------------------------------------------------------------------------------
     @torch.no_grad()
     def execute(self, plan: SchedulerOutput) -> dict[str, Sampled]:
-        out: dict[str, Sampled] = {}
-        if plan.prefill:
-            out.update(self.prefill(plan.prefill))
-        if plan.decode:
-            out.update(self.decode(plan.decode))
-        return out
+        """Run ``plan`` and wait for its sampled tokens."""
+        return self.launch(plan).wait()
 
-    def prefill(self, items: list[PrefillItem]) -> dict[str, Sampled]:
-        want = [it for it in items if it.sample is not None]
-        logits = self.prefill_logits(items)
-        return self._sample_eager(logits, want) if want else {}
+    @torch.no_grad()
+    def launch(self, plan: SchedulerOutput) -> StepResult:
+        """Enqueue ``plan`` on the device; the sampled tokens stay on the device too (the next step's decode rows
+        of these sequences read them there: ``FROM_DEVICE``) and come back to the host in one non-blocking copy."""
+        parts, rows = [], []
+        if plan.prefill:
+            want = [it for it in plan.prefill if it.sample is not None]
+            logits = self.prefill_logits(plan.prefill)
+            if want:
+                parts.append(self._sample_packed(logits, want))
+                rows += want
+        if plan.decode:
+            logits = self.decode_logits(plan.decode)
+            parts.append(self._sample_graphed(plan.decode) if self.use_graphs
+                         else self._sample_packed(logits, plan.decode))
+            rows += plan.decode
+        if not rows:
+            return StepResult(None, None, [], [])
+        packed = parts[0] if len(parts) == 1 else torch.cat(parts)  # [n, 2 + 2K] fp32
+        n = len(rows)
+        self._prev_tokens[:n].copy_(packed[:, 0])  # after this step's forwards: they read the previous step's
+        self._prev_row = {it.seq_id: i for i, it in enumerate(rows)}
+        ids, wants = [it.seq_id for it in rows], [it.sample.logprobs for it in rows]
+        if self.device.type != "cuda":
+            return StepResult(packed, None, ids, wants)
+        self._flip ^= 1  # two pinned buffers: this step's copy never overwrites the one the host may be reading
+        host = self._host_result[self._flip][:n]
+        host.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return StepResult(host, event, ids, wants)
 
     def prefill_logits(self, items: list[PrefillItem]) -> torch.Tensor:
         """Run the chunks of ``items`` (their state and latents go into the pool); the next-token logits [n,V] fp32
@@ -116,27 +165,24 @@ class ModelRunner:
                             dtype=torch.long, device=dev)
         return self.model.lm_head(self.model.model.norm(h[0, last])).float()
 
-    def decode(self, items: list[DecodeItem]) -> dict[str, Sampled]:
-        logits = self.decode_logits(items)
-        if self.use_graphs:
-            return self._sample_graphed(items)
-        return self._sample_eager(logits, items)
-
     def decode_logits(self, items: list[DecodeItem]) -> torch.Tensor:
         """The next-token logits [B,V] fp32 of one decode step (the pool's state advances by the items' tokens)."""
         if self.use_graphs:
             return self._replay(items)
         ints, _, table = self._host_inputs(items)
-        dev = self.device
-        return self._forward(ints[:, 0].to(dev), ints[:, 1].to(dev, torch.int32), table.to(dev), ints[:, 5:].to(dev))
+        ints = ints.to(self.device)
+        return self._forward(ints[:, 0], ints[:, 5], ints[:, 1].to(torch.int32), table.to(self.device),
+                             ints[:, N_INT:])
 
     def _host_inputs(self, items: list[DecodeItem]):
         """A decode step's inputs on the host, each built by one ``torch.tensor`` call (the host work of a step is
-        on the critical path: ``benchmarks/bench_host.py``): ints [B, 5 + kda_pages] long (token, position, top_k,
-        seed, step, KDA pages), floats [B, 2] fp32 (temperature, top_p), page table [B, cols] int32 padded with the
+        on the critical path: ``benchmarks/bench_host.py``): ints [B, N_INT + kda_pages] long (token, position,
+        top_k, seed, step, the row of the previous step's results holding the token (-1: the token is given), KDA
+        pages), floats [B, 2] fp32 (temperature, top_p), page table [B, cols] int32 padded with the
         scratch page (cols: the most MLA pages of any row; [B, 1] without MLA layers)."""
-        ints = torch.tensor([[it.token, it.position, it.sample.top_k, it.sample.seed, it.sample.step, *it.kda_pages]
-                             for it in items], dtype=torch.long)
+        src = [self._prev_row[it.seq_id] if it.token == FROM_DEVICE else -1 for it in items]
+        ints = torch.tensor([[it.token, it.position, it.sample.top_k, it.sample.seed, it.sample.step, r, *it.kda_pages]
+                             for it, r in zip(items, src)], dtype=torch.long)
         floats = torch.tensor([[it.sample.temperature, it.sample.top_p] for it in items], dtype=torch.float32)
         s = self.pool.scratch
         cols = max(max(len(it.mla_pages) for it in items), 1) if self.mla_slot else 1
@@ -144,8 +190,10 @@ class ModelRunner:
                              else [[s]] * len(items), dtype=torch.int32)
         return ints, floats, table
 
-    def _decode_logits(self, ids, positions, page_table, kda_index) -> torch.Tensor:
-        """ids [B], positions [B] int32, page_table [B,P] int32, kda_index [B,kda_pages] long -> logits [B,V] fp32."""
+    def _decode_logits(self, ids, src, positions, page_table, kda_index) -> torch.Tensor:
+        """ids [B], src [B] (>= 0: take the token from row src of the previous step's samples instead), positions
+        [B] int32, page_table [B,P] int32, kda_index [B,kda_pages] long -> logits [B,V] fp32."""
+        ids = torch.where(src >= 0, self._prev_tokens[src.clamp(min=0)], ids)
         mixer = DecodeMixer(self.key, self.kda_slot, self.mla_slot, self.pool.layout.records_per_page, positions,
                             page_table, kda_index)
         h = self.model.model(ids[:, None], mixer=mixer)
@@ -159,24 +207,24 @@ class ModelRunner:
         i = torch.tensor([[r.top_k, r.seed, r.step] for r in rows], dtype=torch.long, device=dev)
         return f[:, 0], i[:, 0], f[:, 1], i[:, 1], i[:, 2]
 
-    def _sample_eager(self, logits, items) -> dict[str, Sampled]:
+    def _sample_packed(self, logits, items) -> torch.Tensor:
+        """Eager sampling (varying shapes) of ``items``' rows of ``logits`` -> packed results [n, 2 + 2K] fp32."""
         temp, top_k, top_p, seed, step = self._sampling_tensors(items)
         filtered = any(it.sample.top_k > 0 or it.sample.top_p < 1.0 for it in items)
-        packed = _pack(*sample(logits, temp, top_k, top_p, seed, step, filtered)).cpu()  # varying shapes: eager
-        return _unpack(packed, [it.seq_id for it in items], [it.sample.logprobs for it in items])
+        return _pack(*sample(logits, temp, top_k, top_p, seed, step, filtered))
 
     # ---- CUDA graphs ------------------------------------------------------------------------------------------
     def _static_buffers(self, n: int, kda_pages: int) -> None:
         dev, V = self.device, self.model.config.vocab_size
-        # int64 inputs in one buffer (one copy per step): ids, positions, top_k, seed, step, kda pages
-        self._ints = torch.zeros(n, 5 + kda_pages, dtype=torch.long, device=dev)
+        # int64 inputs in one buffer (one copy per step): ids, positions, top_k, seed, step, source row, kda pages
+        self._ints = torch.zeros(n, N_INT + kda_pages, dtype=torch.long, device=dev)
         self._floats = torch.zeros(n, 2, dtype=torch.float32, device=dev)  # temperature, top_p
         self._table = torch.full((n, self.max_pages), self.pool.scratch, dtype=torch.int32, device=dev)
-        self._ints[:, 5:] = self.pool.scratch
+        self._ints[:, N_INT:] = self.pool.scratch
         self._positions = torch.zeros(n, dtype=torch.int32, device=dev)
         self._logits = torch.zeros(n, V, dtype=torch.float32, device=dev)
         self._result = torch.zeros(n, 2 + 2 * TOP_LOGPROBS, dtype=torch.float32, device=dev)
-        self._host = torch.zeros(n, 5 + kda_pages, dtype=torch.long).pin_memory()
+        self._host = torch.zeros(n, N_INT + kda_pages, dtype=torch.long).pin_memory()
         self._host_f = torch.zeros(n, 2, dtype=torch.float32).pin_memory()
         self._mempool = torch.cuda.graph_pool_handle()
 
@@ -185,8 +233,8 @@ class ModelRunner:
 
     def _graph_forward(self, bs: int):
         self._positions[:bs].copy_(self._ints[:bs, 1])
-        self._logits[:bs] = self._forward(self._ints[:bs, 0], self._positions[:bs], self._table[:bs],
-                                          self._ints[:bs, 5:])
+        self._logits[:bs] = self._forward(self._ints[:bs, 0], self._ints[:bs, 5], self._positions[:bs],
+                                          self._table[:bs], self._ints[:bs, N_INT:])
 
     def _graph_sample(self, bs: int, filtered: bool):
         ints, floats = self._ints[:bs], self._floats[:bs]
@@ -219,7 +267,8 @@ class ModelRunner:
     def _reset_rows(self, lo: int, hi: int) -> None:
         """Rows [lo, hi) become padding: position 0 of the scratch page, the scratch page's KDA records."""
         self._ints[lo:hi] = 0
-        self._ints[lo:hi, 5:] = self.pool.scratch
+        self._ints[lo:hi, 5] = -1
+        self._ints[lo:hi, N_INT:] = self.pool.scratch
         self._table[lo:hi, 0] = self.pool.scratch
         self._floats[lo:hi] = 0
 
@@ -239,8 +288,8 @@ class ModelRunner:
         graph.replay()
         return self._logits[:B]
 
-    def _sample_graphed(self, items: list[DecodeItem]) -> dict[str, Sampled]:
-        """Replay the sampler's graph over the logits buffer; one device-to-host copy of the results."""
+    def _sample_graphed(self, items: list[DecodeItem]) -> torch.Tensor:
+        """Replay the sampler's graph over the logits buffer -> the packed results [B, 2 + 2K] (a static buffer)."""
         B = len(items)
         bs = self._bucket(B)
         filtered = any(it.sample.top_k > 0 or it.sample.top_p < 1.0 for it in items)
@@ -248,4 +297,4 @@ class ModelRunner:
         if key not in self._sample_graphs:
             self._sample_graphs[key] = self._capture(self._graph_sample, bs, filtered)
         self._sample_graphs[key].replay()
-        return _unpack(self._result[:B].cpu(), [it.seq_id for it in items], [it.sample.logprobs for it in items])
+        return self._result[:B]

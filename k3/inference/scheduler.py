@@ -50,11 +50,14 @@ class PrefillItem:
 @dataclass(frozen=True)
 class DecodeItem:
     seq_id: str
-    token: int
+    token: int  # FROM_DEVICE: the token the previous step sampled for this sequence (not yet on the host)
     position: int
     mla_pages: list[int]
     kda_pages: list[int]
     sample: SamplingRow
+
+
+FROM_DEVICE = -1
 
 
 @dataclass
@@ -86,7 +89,9 @@ class SchedulerConfig:
 
 class Sequence:
     """One request's state in the engine. ``tokens`` = prompt + generated; ``num_computed`` of them are in the
-    cache; the next forward feeds tokens[num_computed:]."""
+    cache; the next forward feeds tokens[num_computed:]. ``in_flight``: tokens sampled by a step whose results
+    the host has not read yet (asynchronous scheduling: 0 or 1); they count as pending, and a decode feeds such a
+    token straight from the device."""
 
     def __init__(self, seq_id: str, req: GenerationRequest, seed: int, max_tokens: int, arrival: int, long: bool):
         self.id, self.params, self.seed, self.max_tokens = seq_id, req.params, seed, max_tokens
@@ -94,6 +99,7 @@ class Sequence:
         self.prompt_len = len(self.tokens)
         self.arrival, self.long = arrival, long
         self.num_computed = 0
+        self.in_flight = 0
         self.mla_pages: list[int] = []
         self.kda_pages: list[int] = []
         self.hashes: list[bytes] = []  # chain hashes of the full blocks of ``tokens`` (grown as needed)
@@ -103,11 +109,12 @@ class Sequence:
 
     @property
     def pending(self) -> int:
-        return len(self.tokens) - self.num_computed
+        """Tokens to feed: known ones not yet computed, and the one in flight."""
+        return len(self.tokens) + self.in_flight - self.num_computed
 
     @property
     def generated(self) -> int:
-        return len(self.tokens) - self.prompt_len
+        return len(self.tokens) + self.in_flight - self.prompt_len
 
     def sampling(self) -> SamplingRow:
         p = self.params
@@ -161,11 +168,13 @@ class Scheduler:
         return out
 
     def _decode_item(self, seq: Sequence) -> DecodeItem:
-        return DecodeItem(seq.id, seq.tokens[-1], seq.num_computed, list(seq.mla_pages), list(seq.kda_pages),
+        token = FROM_DEVICE if seq.in_flight else seq.tokens[-1]
+        return DecodeItem(seq.id, token, seq.num_computed, list(seq.mla_pages), list(seq.kda_pages),
                           seq.sampling())
 
     def _chunk(self, seq: Sequence, out: SchedulerOutput, budget: int, long_budget: int) -> tuple[int, int]:
-        n = min(seq.pending, self.cfg.prefill_chunk, budget, long_budget if seq.long else budget)
+        # known tokens only: a preempted sequence's in-flight token joins it at the next step
+        n = min(len(seq.tokens) - seq.num_computed, self.cfg.prefill_chunk, budget, long_budget if seq.long else budget)
         n = min(n, self._next_snapshot(seq) - seq.num_computed)
         if n <= 0 or not self._grow(seq, n, out):
             return budget, long_budget
@@ -260,11 +269,15 @@ class Scheduler:
 
     # ---- after the forward ------------------------------------------------------------------------------------
     def update(self, plan: SchedulerOutput, seqs: dict[str, Sequence]) -> None:
-        """Advance the sequences the plan ran; publish their completed blocks and checkpoints."""
+        """Advance the sequences the plan ran (those still open); publish their completed blocks and checkpoints.
+        Called once the tokens the plan fed are all on the host (an in-flight token fed by a decode has been
+        delivered), so block hashes see real tokens."""
         for it in plan.prefill:
-            self._advance(seqs[it.seq_id], len(it.tokens))
+            if it.seq_id in seqs and it.start == seqs[it.seq_id].num_computed:
+                self._advance(seqs[it.seq_id], len(it.tokens))
         for it in plan.decode:
-            self._advance(seqs[it.seq_id], 1)
+            if it.seq_id in seqs and it.position == seqs[it.seq_id].num_computed:
+                self._advance(seqs[it.seq_id], 1)
 
     def _advance(self, seq: Sequence, n: int) -> None:
         seq.num_computed += n

@@ -12,6 +12,20 @@ from k3.inference.engine import Engine, EngineConfig, EngineFailed
 TEXT = ["def f(x):\n    return x * 2\n", "import os\nprint(os.getcwd())\n", "class A:\n    pass\n"] * 20
 
 
+@pytest.fixture(autouse=True, params=["sync", "async"])
+def scheduling(request, monkeypatch):
+    """Every test runs twice: steps read their own results, or (asynchronous scheduling, CUDA's default) the
+    previous step's, with decode tokens taken from the device."""
+    init = Engine.__init__
+
+    def patched(self, *a, **k):
+        init(self, *a, **k)
+        self.async_scheduling = request.param == "async"
+
+    monkeypatch.setattr(Engine, "__init__", patched)
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def tok():
     t = train_tokenizer(TEXT, 300)
@@ -240,7 +254,7 @@ def test_an_engine_failure_ends_every_request_with_its_reason(tok, monkeypatch):
     def broken(plan):
         raise IndexError("index 4096 is out of bounds for dimension 0 with size 300")
 
-    monkeypatch.setattr(eng.runner, "execute", broken)
+    monkeypatch.setattr(eng.runner, "launch", broken)
     handles = [eng.submit(GenerationRequest((1, 2, 3), SamplingParams(max_tokens=4))) for _ in range(3)]
     eng.start()  # after the submissions: the loop fails at its first step, and would refuse later ones
     try:
@@ -258,3 +272,4 @@ def test_a_tokenizer_larger_than_the_model_is_refused(tok):
     cfg = K3Config.preset("tiny").replace(vocab_size=100, num_nextn_predict_layers=0)
     with pytest.raises(ValueError, match=r"tokenizer has \d+ tokens but the model's vocabulary has 100"):
         Engine(K3ForCausalLM(cfg), tok, SMALL)
+

@@ -81,7 +81,7 @@ def test_an_engine_failure_ends_every_request_with_a_500_and_health_says_so(serv
         time.sleep(0.2)  # let every request arrive first
         raise IndexError("index 4096 is out of bounds for dimension 0 with size 300")
 
-    monkeypatch.setattr(engine.runner, "execute", broken)
+    monkeypatch.setattr(engine.runner, "launch", broken)
 
     def one(stream):
         try:

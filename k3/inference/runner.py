@@ -224,8 +224,11 @@ class ModelRunner:
         self._positions = torch.zeros(n, dtype=torch.int32, device=dev)
         self._logits = torch.zeros(n, V, dtype=torch.float32, device=dev)
         self._result = torch.zeros(n, 2 + 2 * TOP_LOGPROBS, dtype=torch.float32, device=dev)
-        self._host = torch.zeros(n, N_INT + kda_pages, dtype=torch.long).pin_memory()
-        self._host_f = torch.zeros(n, 2, dtype=torch.float32).pin_memory()
+        # pinned staging of the inputs, two of each: with asynchronous scheduling the host fills one while the
+        # device may still be copying from the other (the step before, whose results it has not waited for)
+        self._host = [torch.zeros(n, N_INT + kda_pages, dtype=torch.long).pin_memory() for _ in range(2)]
+        self._host_f = [torch.zeros(n, 2, dtype=torch.float32).pin_memory() for _ in range(2)]
+        self._input_flip = 0
         self._mempool = torch.cuda.graph_pool_handle()
 
     def _bucket(self, B: int) -> int:
@@ -278,9 +281,12 @@ class ModelRunner:
         bs = self._bucket(B)
         graph = self._graph_for(bs)
         ints, floats, table = self._host_inputs(items)
-        self._host[:B], self._host_f[:B] = ints, floats
-        self._ints[:B].copy_(self._host[:B], non_blocking=True)
-        self._floats[:B].copy_(self._host_f[:B], non_blocking=True)
+        self._input_flip ^= 1
+        host, host_f = self._host[self._input_flip][:B], self._host_f[self._input_flip][:B]
+        host.copy_(ints)
+        host_f.copy_(floats)
+        self._ints[:B].copy_(host, non_blocking=True)
+        self._floats[:B].copy_(host_f, non_blocking=True)
         if bs > B:
             self._reset_rows(B, bs)
         if self.mla_slot:

@@ -3,13 +3,14 @@ PyTorch dense model of the same width under CUDA graphs, in one run.
 
     python benchmarks/bench_decode.py [--preset small] [--batches 1,8,32,64] [--context 2048]
         [--long-contexts 8192,32768,131072] [--long-batch 8] [--prefix 65536] [--steps 40]
-        [--sections k3,mla,peer,ttft,eager] [--profile] [--json out.json]
+        [--sections k3,mla,peer,ttft,eager,sync] [--profile] [--json out.json]
 
 k3: ``batch`` requests of ``context`` random prompt tokens are prefilled through the engine, then ``steps`` engine
 steps are timed (tokens/s = batch / step time; the step is the engine's whole step: scheduling, input copies,
 graph replays, sampling, detokenisation). Rows: the hybrid model (3 KDA : 1 MLA) at every batch and long
 context; the same model with every layer MLA at the long contexts; the hybrid decoding eagerly (no graphs) at
-batch 1. Peer: a 12-layer dense transformer of the same width (hidden, heads, SwiGLU MLP, RMSNorm, vocabulary),
+batch 1; the hybrid with synchronous scheduling (each step's results read before the next is planned) at the
+smallest and largest batch, beside the default asynchronous one. Peer: a 12-layer dense transformer of the same width (hidden, heads, SwiGLU MLP, RMSNorm, vocabulary),
 its KV cache as static buffers, ``torch.compile``d and captured as a CUDA graph per batch (gpt-fast's recipe).
 Bytes/s: the weights a step must read (every non-expert weight, the LM head, and the experts the batch can
 reach: min(E, B*k) of E per layer) plus the cache it reads (MLA latents) and reads + writes (KDA states), over
@@ -46,14 +47,16 @@ def sync(dev):
 
 
 # ---- k3 -------------------------------------------------------------------------------------------------------
-def build_engine(cfg, device, dtype, tok, tokens_needed: int, max_batch: int, graphs: bool | None = None):
+def build_engine(cfg, device, dtype, tok, tokens_needed: int, max_batch: int, graphs: bool | None = None,
+                 async_scheduling: bool | None = None):
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg.replace(vocab_size=cfg.vocab_size, num_nextn_predict_layers=0)).to(device, dtype).eval()
     kda_pages = PageLayout.from_config(model.config, 1024, dtype).kda_pages
     pages = math.ceil(tokens_needed / 1024) + max_batch * (kda_pages + 2) + 64
     return Engine(model, tok, EngineConfig(num_pages=pages, page_tokens=1024, hash_block=512, checkpoint_every=4,
                                            prefill_chunk=8192, step_tokens=16384, max_batch=max_batch,
-                                           max_context=1 << 21, cuda_graphs=graphs, compile=graphs))
+                                           max_context=1 << 21, cuda_graphs=graphs, compile=graphs,
+                                           async_scheduling=async_scheduling))
 
 
 def decode_rate(engine, context: int, batch: int, steps: int, profile: bool = False):
@@ -108,7 +111,8 @@ def explain_graph_breaks(engine) -> None:
     """torch._dynamo.explain of the decode forward at batch 2: how many graphs, and why it breaks."""
     r = engine.runner
     dev = engine.device
-    args = (torch.zeros(2, dtype=torch.long, device=dev), torch.zeros(2, dtype=torch.int32, device=dev),
+    args = (torch.zeros(2, dtype=torch.long, device=dev), torch.full((2,), -1, dtype=torch.long, device=dev),
+            torch.zeros(2, dtype=torch.int32, device=dev),
             torch.full((2, 1), engine.pool.scratch, dtype=torch.int32, device=dev),
             torch.full((2, max(engine.layout.kda_pages, 1)), engine.pool.scratch, dtype=torch.long, device=dev))
     with torch.no_grad():
@@ -230,7 +234,7 @@ def main():
     ap.add_argument("--long-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--prefix", type=int, default=65536)
-    ap.add_argument("--sections", default="k3,mla,peer,ttft,eager")
+    ap.add_argument("--sections", default="k3,mla,peer,ttft,eager,sync")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of a step at batch 1 and the largest")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None)
@@ -287,6 +291,15 @@ def main():
             record({"model": "k3 all-MLA", "batch": args.long_batch, "context": ctx, "tokens_per_s": rate,
                     "step_ms": dt * 1e3, "bytes_per_s": step_bytes(eng.model, eng.layout, args.long_batch, ctx) / dt,
                     "cache_bytes_per_request": eng.layout.kda_state_bytes + ctx * eng.layout.mla_bytes_per_token})
+        eng.stop()
+        del eng
+    if "sync" in sections:  # the same engine reading each step's results before planning the next
+        eng = build_engine(base, dev, dtype, tok, max(batches) * (args.context + args.steps + 16), max_b,
+                           async_scheduling=False)
+        for B in sorted({min(batches), max(batches)}):
+            rate, dt, _ = decode_rate(eng, args.context, B, args.steps)
+            record({"model": "k3 hybrid, synchronous scheduling", "batch": B, "context": args.context,
+                    "tokens_per_s": rate, "step_ms": dt * 1e3})
         eng.stop()
         del eng
     if "eager" in sections:

@@ -131,10 +131,16 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def _model_config(cfg: TrainConfig, vocab: int) -> K3Config:
+def _model_config(cfg: TrainConfig, tokenizer) -> K3Config:
+    """The preset's (or --config's / --init-from's) configuration with the tokenizer's vocabulary and, when the
+    configuration names none, its end-of-sequence id: saved checkpoints then tell transformers' ``generate`` and
+    mlx-lm where to stop (config.json and generation_config.json)."""
+    from ..data.tokenizer import eos_id
+
     src = run_data.init_dir(cfg) or cfg.config
     base = K3Config.from_hf(src) if src else K3Config.preset(cfg.preset)
-    return base.replace(vocab_size=vocab, qat=cfg.qat)
+    eos = base.eos_token_id if base.eos_token_id is not None else eos_id(tokenizer)
+    return base.replace(vocab_size=tokenizer.get_vocab_size(), qat=cfg.qat, eos_token_id=eos)
 
 
 @torch.no_grad()
@@ -198,10 +204,12 @@ def _train(cfg: TrainConfig, plan: TrainingPlan, log, stop: StopRequest) -> dict
 
     data = run_data.prepare(cfg, run, resume_from, plan)
     train_set, val_set, entropy = data.train, data.val, data.unigram_entropy
-    mcfg = _model_config(cfg, data.tokenizer.get_vocab_size())
+    mcfg = _model_config(cfg, data.tokenizer)
 
     torch.manual_seed(cfg.seed)
     if resume_from is not None:
+        if K3Config.from_hf(resume_from).eos_token_id is None:  # a run begun before eos_token_id was recorded
+            mcfg = mcfg.replace(eos_token_id=None)
         model, state = load_checkpoint(resume_from, mcfg, verify=False)  # verified by check_resumable
         model.to(device)
     elif cfg.init_from:

@@ -49,8 +49,13 @@ def test_metrics_checkpoint_and_entropy(tmp_path):
     assert recs[-1]["tokens"] == 4 * 2 * 64
     assert recs[0]["lr"] < recs[1]["lr"] or recs[0]["lr"] == max(r["lr"] for r in recs)  # warm-up then decay
     ck = tmp_path / "m" / "checkpoint"
-    assert {"config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt", "train_config.json",
-            "SHA256SUMS"} == {p.name for p in ck.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt",
+            "train_config.json", "SHA256SUMS"} == {p.name for p in ck.iterdir()}
+    # the tokenizer's end of document is the model's eos_token_id: transformers' generate and mlx-lm stop there
+    from k3.data.tokenizer import eos_id, load_tokenizer
+    eos = eos_id(load_tokenizer(ck))
+    assert json.loads((ck / "config.json").read_text())["eos_token_id"] == eos
+    assert json.loads((ck / "generation_config.json").read_text())["eos_token_id"] == eos
     assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in [*ck.iterdir(), *(tmp_path / "m").iterdir()]
             if p.is_file()} == {"0o644"}  # every output readable as usual, none 0600
     assert not [p for p in (tmp_path / "m").iterdir() if p.name.startswith(".checkpoint")]
@@ -155,3 +160,18 @@ def test_memory_policies_train_the_same_curve_with_less_saved(tmp_path):
             assert r["loss"] == pytest.approx(k["loss"], rel=1e-6) and r["grad_norm"] == pytest.approx(k["grad_norm"],
                                                                                                       rel=1e-6), policy
         assert all(0 < r["saved_activation_bytes"] < k["saved_activation_bytes"] for r, k in zip(recs, keep)), policy
+
+
+def test_a_run_saved_without_eos_token_id_still_resumes(tmp_path):
+    """Checkpoints written before k3 train recorded the tokenizer's eos_token_id resume as they are."""
+    from k3.checkpoint.manifest import record_checksums
+
+    cut, _ = run(tmp_path, "old", stop_after=3)
+    ck = tmp_path / "old" / "checkpoint"
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg.pop("eos_token_id")
+    (ck / "config.json").write_text(json.dumps(cfg))
+    (ck / "generation_config.json").unlink()
+    record_checksums(ck, [p.name for p in ck.iterdir() if p.name != "SHA256SUMS"])
+    run(tmp_path, "old")
+    assert [r["step"] for r in read_metrics(cut.out)] == list(range(1, 7))

@@ -50,6 +50,9 @@ class K3Config:
     mla_use_nope: bool = True
     mla_use_output_gate: bool = True
     rope_theta: float = 50000.0  # only read when mla_use_nope is False (Kimi K2)
+    # YaRN context extension of that RoPE, as DeepSeek-V3 / Kimi K2 configs write it: {"type": "yarn", "factor",
+    # "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}; None = plain RoPE
+    rope_scaling: dict | None = None
     # width axis
     intermediate_size: int = 33792  # the dense first layer(s)
     first_k_dense_replace: int = 1
@@ -191,6 +194,27 @@ def _load_json(src) -> dict:
         raise ValueError(f"{p} is not valid JSON: {e}") from None
 
 
+_YARN_KEYS = {"type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+              "mscale_all_dim", "attention_factor", "truncate"}
+
+
+def check_rope_scaling(scaling: dict) -> None:
+    """Raise ValueError saying what is wrong with a ``rope_scaling`` dict k3 cannot compute exactly."""
+    if not isinstance(scaling, dict):
+        raise ValueError(f"must be a dict (or None), got {type(scaling).__name__}")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "yarn":
+        raise ValueError(f"rope type {kind!r} is not implemented: k3's MLA rotates plainly or with YaRN "
+                         "({'type': 'yarn', ...}, as Kimi K2's config)")
+    unknown = sorted(set(scaling) - _YARN_KEYS)
+    if unknown:
+        raise ValueError(f"unknown YaRN key(s) {unknown}; k3 reads {sorted(_YARN_KEYS)}")
+    for key in ("factor", "original_max_position_embeddings"):
+        v = scaling.get(key)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"YaRN needs a positive {key!r}, got {v!r}")
+
+
 def _validate(c: K3Config) -> None:
     def need(ok: bool, field_name: str, msg: str):
         if not ok:
@@ -199,6 +223,13 @@ def _validate(c: K3Config) -> None:
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "kda_num_heads", "kda_head_dim",
                  "num_attention_heads", "kv_lora_rank", "v_head_dim", "intermediate_size"):
         need(isinstance(getattr(c, name), int) and getattr(c, name) > 0, name, f"must be a positive int, got {getattr(c, name)!r}")
+    if c.rope_scaling is not None:
+        need(not c.mla_use_nope, "rope_scaling", "applies to MLA with RoPE (mla_use_nope = False, Kimi K2); this "
+                                                 "model's MLA uses no position encoding")
+        try:
+            check_rope_scaling(c.rope_scaling)
+        except ValueError as e:
+            need(False, "rope_scaling", str(e))
     n = c.num_hidden_layers
     both = set(c.full_attn_layers) & set(c.kda_layers)
     need(not both, "full_attn_layers", f"layer(s) {sorted(both)} are listed as both MLA and KDA")

@@ -40,7 +40,7 @@ _LINEAR_KEYS = {"num_heads", "head_dim", "short_conv_kernel_size", "gate_lower_b
                 "full_attn_layers", "kda_layers"}
 # keys carried verbatim (housekeeping of transformers, the release and mlx-lm; none changes the architecture)
 _PASSTHROUGH = {"auto_map", "torch_dtype", "dtype", "transformers_version", "use_cache", "quantization_config",
-                "rope_scaling", "attention_dropout", "hidden_dropout", "_name_or_path", "topk_method",
+                "attention_dropout", "hidden_dropout", "_name_or_path", "topk_method",
                 "use_grouped_topk", "head_dim", "initializer_range", "moe_layer_freq", "attention_bias", "mlp_bias",
                 "output_attentions", "output_hidden_states", "output_router_logits", "pretraining_tp",
                 "model_type", "architectures", "ep_size", "aux_loss_alpha", "seq_aux", "moe_router_dtype"}
@@ -161,14 +161,23 @@ def _read_linear(d: dict, kw: dict, model_type: str | None, strict: bool) -> dic
 
 
 def _read_rope(d: dict) -> None:
-    """transformers 5 writes ``rope_parameters`` {rope_theta, rope_type}; k3's MLA rotates plainly (interleaved
-    pairs, as DeepSeek-V3 with ``rope_interleave``): a scaled RoPE (YaRN, ...) would attend differently, so it is
-    refused rather than ignored."""
-    params = d.pop("rope_parameters", None) or {}
-    scaling = d.get("rope_scaling") or {}
-    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    _need(kind == "default", f"rope type {kind!r} (rope_parameters / rope_scaling) is not implemented in k3's MLA, "
-                             "which rotates with plain RoPE; a checkpoint that needs it would compute other attention")
+    """The rope settings into ``rope_theta`` and ``rope_scaling`` (None or YaRN's dict as DeepSeek-V3 / Kimi K2 write
+    it). transformers 5 writes ``rope_parameters`` {rope_theta, rope_type, YaRN's keys}; k3's MLA rotates
+    interleaved pairs, plainly or with YaRN: any other scaling would attend differently, so it is refused rather
+    than ignored (by K3Config's check)."""
+    params = dict(d.pop("rope_parameters", None) or {})
+    scaling = d.get("rope_scaling")
+    kind = params.get("rope_type", (scaling or {}).get("rope_type", (scaling or {}).get("type", "default")))
+    if kind == "default":
+        d["rope_scaling"] = None
+    elif params:  # transformers 5's form -> the release's
+        theta = params.pop("rope_theta", None)
+        params.pop("rope_type", None)
+        _need(scaling is None or {k: v for k, v in scaling.items() if k not in ("type", "rope_type")} == params,
+              "rope_scaling and rope_parameters disagree")
+        d["rope_scaling"] = {"type": kind, **params}
+        if theta is not None:
+            params["rope_theta"] = theta
     _need(d.pop("rope_interleave", True), "rope_interleave = false is not implemented: k3 rotates interleaved pairs, "
                                           "as DeepSeek-V3 and Kimi K2 do")
     _need(d.get("moe_layer_freq", 1) == 1, f"moe_layer_freq = {d.get('moe_layer_freq')}: k3 builds an MoE in every "
@@ -276,6 +285,7 @@ def _write_deepseek(c: "K3Config") -> dict:
          "v_head_dim": c.v_head_dim, "qk_head_dim": c.qk_head_dim, "head_dim": c.qk_rope_head_dim,
          "hidden_act": c.hidden_act, "max_position_embeddings": c.max_position_embeddings,
          "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "rope_interleave": True,
+         "rope_scaling": c.rope_scaling,
          "tie_word_embeddings": c.tie_word_embeddings, "num_nextn_predict_layers": c.num_nextn_predict_layers,
          **{t: getattr(c, t) for t in TOKEN_IDS}}
     d.update({k: v for k, v in c.extra.items() if k != "__linear_extra__"})
@@ -292,7 +302,7 @@ def write_hf(c: "K3Config") -> dict:
             "short_conv_kernel_size", "gate", "gate_lower_bound", "use_full_rank_gate", "attn_res",
             "attn_res_block_size", "qat"}
     for f in dataclasses.fields(c):
-        if f.name not in skip:
+        if f.name not in skip and not (f.name == "rope_scaling" and c.rope_scaling is None):
             d[f.name] = getattr(c, f.name)
     d["num_key_value_heads"] = c.num_attention_heads
     lin = {"num_heads": c.kda_num_heads, "head_dim": c.kda_head_dim, "short_conv_kernel_size": c.short_conv_kernel_size,

@@ -256,6 +256,46 @@ def test_kimi_k2_architecture_both_ways_with_deepseek_v3(tmp_path, transformers)
     assert type(back).__name__ == "DeepseekV3ForCausalLM" and _rel(_logits(back, x), _logits(model, x)) < 1e-5
 
 
+# Kimi K2's own YaRN settings (beta_fast = beta_slow = 1, mscale = mscale_all_dim = 1), then DeepSeek-V3's (32 / 1,
+# mscale_all_dim only), at a pretraining length of 8 so that 40 positions reach far into the extension
+K2_YARN = {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 8, "beta_fast": 1.0, "beta_slow": 1.0,
+           "mscale": 1.0, "mscale_all_dim": 1.0}
+DSV3_YARN = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 8, "beta_fast": 32, "beta_slow": 1,
+             "mscale": 1.0, "mscale_all_dim": 0.707}
+
+
+@pytest.mark.parametrize("yarn", [K2_YARN, DSV3_YARN], ids=["k2", "deepseek_v3"])
+def test_yarn_rope_matches_transformers_deepseek_v3_both_ways(tmp_path, transformers, yarn):
+    """Kimi K2's YaRN-extended RoPE: the same logits as transformers' DeepseekV3 with the same rope_scaling, past the
+    original context too; saved back, transformers reads the same model. Without YaRN the logits differ."""
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        **DEEPSEEK, rope_scaling=dict(yarn), max_position_embeddings=256)).eval()  # a copy: transformers edits it
+    hf.save_pretrained(tmp_path / "hf")
+    with pytest.warns(UserWarning, match="no MTP weights"):
+        model = K3ForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert model.config.rope_scaling["factor"] == yarn["factor"]
+    x = torch.randint(0, 256, (2, 40))
+    assert _rel(_logits(model, x), _logits(hf, x)) < 1e-5
+    plain = K3ForCausalLM(model.config.replace(rope_scaling=None)).eval()
+    plain.load_state_dict(model.state_dict())
+    assert _rel(_logits(plain, x), _logits(hf, x)) > 1e-3  # the extension is what makes them equal
+    model.save_pretrained(tmp_path / "k3")
+    assert json.loads((tmp_path / "k3" / "config.json").read_text())["rope_scaling"]["factor"] == yarn["factor"]
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "k3").eval()
+    assert _rel(_logits(back, x), _logits(model, x)) < 1e-5
+
+
+def test_bad_rope_scaling_is_named():
+    base = {"model_type": "deepseek_v3", **DEEPSEEK}
+    with pytest.raises(ValueError, match="rope_scaling: YaRN needs a positive 'factor'"):
+        K3Config.from_hf({**base, "rope_scaling": {"type": "yarn", "original_max_position_embeddings": 8}})
+    with pytest.raises(ValueError, match=r"rope_scaling: unknown YaRN key\(s\) \['low_freq_factor'\]"):
+        K3Config.from_hf({**base, "rope_scaling": {**K2_YARN, "low_freq_factor": 1.0}})
+    with pytest.raises(ValueError, match="rope_scaling: applies to MLA with RoPE"):
+        K3Config.preset("tiny").replace(rope_scaling=K2_YARN)
+
+
 def test_reads_the_kimi_k2_5_release_layout(tmp_path):
     """K2.5 wraps the K2 language model (text_config "kimi_k2") beside a vision tower: k3 loads the text model."""
     cfg = K3Config.from_hf({"model_type": "deepseek_v3", **DEEPSEEK, "num_nextn_predict_layers": 0})
@@ -276,6 +316,6 @@ def test_reads_the_kimi_k2_5_release_layout(tmp_path):
     x = torch.randint(0, 256, (1, 10))
     torch.testing.assert_close(_logits(loaded, x), _logits(model, x))
     assert loaded.config.to_hf()["vision_config"] == {"patch_size": 14}  # the wrapper's keys are carried
-    yarn = {**text, "rope_scaling": {"type": "yarn", "factor": 32.0}}
-    with pytest.raises(ValueError, match="rope type 'yarn'"):
-        K3Config.from_hf({**release, "text_config": yarn})
+    linear = {**text, "rope_scaling": {"type": "linear", "factor": 4.0}}
+    with pytest.raises(ValueError, match="rope_scaling: rope type 'linear' is not implemented"):
+        K3Config.from_hf({**release, "text_config": linear})

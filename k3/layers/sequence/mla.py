@@ -25,6 +25,7 @@ from ...config import K3Config
 from ...ops.varlen import GROUP_OVERHEAD, cached_plan, grouped_documents
 from ..fuse import fuse_linears, use_fused
 from ..norm import RMSNorm
+from .rope import rotary, softmax_scale
 
 
 class MLAInputs(NamedTuple):
@@ -35,18 +36,6 @@ class MLAInputs(NamedTuple):
     c_kv: torch.Tensor  # [B,T,R] normed: what the cache stores per token, with k_pe
     k_pe: torch.Tensor  # [B,T,Dr] shared by all heads (rotated when the layer uses RoPE)
     gate: torch.Tensor | None  # [B,T,H*Dv] output gate logits, None without the gate
-
-
-def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Interleaved-pair RoPE on the last dim (Kimi K2 only; K3's MLA is NoPE). x [B,T,*,Dr], positions [B,T]."""
-    Dr = x.shape[-1]
-    inv = theta ** (-torch.arange(0, Dr, 2, device=x.device, dtype=torch.float32) / Dr)
-    ang = positions.float()[..., None] * inv  # [B,T,Dr/2]
-    while ang.dim() < x.dim():
-        ang = ang.unsqueeze(-2)
-    cos, sin = ang.cos(), ang.sin()
-    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
-    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).to(x.dtype)
 
 
 @torch.no_grad()
@@ -148,8 +137,8 @@ class GatedMLA(nn.Module):
         self.layer_idx, self.num_heads = layer_idx, H
         self.nope, self.pe, self.dv, self.rank = (config.qk_nope_head_dim, config.qk_rope_head_dim,
                                                   config.v_head_dim, config.kv_lora_rank)
-        self.scale = config.qk_head_dim ** -0.5
-        self.use_rope, self.rope_theta = not config.mla_use_nope, config.rope_theta
+        self.scale = softmax_scale(config.qk_head_dim, config.rope_scaling)
+        self.use_rope, self.rope_theta, self.rope_scaling = not config.mla_use_nope, config.rope_theta, config.rope_scaling
         self.fp32_attention = True  # attention output kept in fp32 while training (SPEC §2.2)
         self.varlen_attention = True  # packed documents on CUDA: one flash varlen call (attend_varlen) when it can run
         self.track_max_logit = False  # QK-clip (SPEC §5): record per-head max logits in training forwards
@@ -189,7 +178,8 @@ class GatedMLA(nn.Module):
         q_nope, q_pe = q.view(B, T, self.num_heads, self.nope + self.pe).split([self.nope, self.pe], dim=-1)
         c_kv, k_pe = kv.split([self.rank, self.pe], dim=-1)
         if self.use_rope:
-            q_pe, k_pe = rotary(q_pe, positions, self.rope_theta), rotary(k_pe, positions, self.rope_theta)
+            q_pe = rotary(q_pe, positions, self.rope_theta, self.rope_scaling)
+            k_pe = rotary(k_pe, positions, self.rope_theta, self.rope_scaling)
         return MLAInputs(q_nope, q_pe, self.kv_a_layernorm(c_kv), k_pe, gate)
 
     def output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:

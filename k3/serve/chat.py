@@ -5,7 +5,9 @@ Three chat formats, chosen by ``chat_template_for(tokenizer)``:
   format, with OpenAI ``tools`` / ``tool_calls`` / ``role: "tool"`` messages.
 - ``JinjaChatTemplate``, when the tokenizer brings a chat template (``tokenizer_config.json``'s ``chat_template``, as
   Kimi K2 / K2.5 / Kimi Linear ship it): rendered with jinja2 as transformers' ``apply_chat_template`` renders it
-  (``messages``, ``tools``, ``add_generation_prompt``, ``bos_token``, ``eos_token``); no tool calls.
+  (``messages``, ``tools``, ``add_generation_prompt``, ``bos_token``, ``eos_token``). When the tokenizer has Kimi
+  K2's tool-call tokens (``<|tool_calls_section_begin|>`` ...) the template gets the request's ``tools`` and the
+  reply's calls are parsed (k3/serve/k2_tools.py); otherwise no tool calls.
 - ``ChatTemplate``: ChatML, for k3's own byte-level tokenizer. Each message renders as
 
       <|im_start|>{role}\\n{content}<|im_end|>\\n
@@ -140,7 +142,11 @@ class JinjaChatTemplate:
     stop: tuple[str, ...] = ()
     bos_token: str | None = None
     eos_token: str | None = None
-    supports_tools = False
+    tool_format: str | None = None  # "kimi_k2": the tokenizer has K2's tool-call tokens; None: no tool calls
+
+    @property
+    def supports_tools(self) -> bool:
+        return self.tool_format is not None
 
     def render(self, messages, tools=None, tool_choice=None, reasoning_effort=None) -> str:
         import jinja2
@@ -148,7 +154,16 @@ class JinjaChatTemplate:
 
         if not messages:
             raise ChatError("messages is empty; send at least one message")
-        _plain("a Jinja chat template", tools, tool_choice, reasoning_effort)
+        if self.tool_format is None:
+            _plain("a Jinja chat template", tools, tool_choice, reasoning_effort)
+        else:
+            _plain("a Jinja chat template", None, None, reasoning_effort)
+            check_tool_choice(tools, tool_choice)
+            if tool_choice == "required" or isinstance(tool_choice, Mapping):
+                raise ChatError("tool_choice 'required' or a named function cannot be forced in Kimi K2's format "
+                                "(its template has no way to start a call); use 'auto' or 'none'", "tool_choice")
+            if tool_choice == "none":
+                tools = None
 
         def raise_exception(message):
             raise ChatError(f"the chat template refused the messages: {message}")
@@ -159,13 +174,19 @@ class JinjaChatTemplate:
         env.globals["raise_exception"] = raise_exception
         try:
             return env.from_string(self.source).render(
-                messages=list(messages), tools=None, add_generation_prompt=True, bos_token=self.bos_token or "",
+                messages=list(messages), tools=list(tools) if tools else None, add_generation_prompt=True,
+                bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "")
         except jinja2.TemplateError as e:
             raise ChatError(f"the chat template failed to render: {e}") from None
 
     def prompt(self, tokenizer, messages, tools=None, tool_choice=None, reasoning_effort=None) -> ChatPrompt:
-        return ChatPrompt(_encode(tokenizer, self.render(messages, tools, tool_choice, reasoning_effort)), PlainOutput())
+        ids = _encode(tokenizer, self.render(messages, tools, tool_choice, reasoning_effort))
+        if self.tool_format is None or not tools or tool_choice == "none":
+            return ChatPrompt(ids, PlainOutput())
+        from .k2_tools import K2Output
+
+        return ChatPrompt(ids, K2Output(tools_by_name(tools)))
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
@@ -184,8 +205,11 @@ def chat_template_for(tokenizer):
         return KimiK3Chat()
     source = getattr(tokenizer, "chat_template", None)
     if source:
+        from .k2_tools import K2_TOOL_TOKENS
+
         # the turn ends at the eos token or, in Kimi's templates, at <|im_end|>
         stop = tuple(dict.fromkeys(t for t in (getattr(tokenizer, "eos_token", None), "<|im_end|>") if t in specials))
+        k2 = all(t in specials for t in K2_TOOL_TOKENS)
         return JinjaChatTemplate(source, stop, getattr(tokenizer, "bos_token", None),
-                                 getattr(tokenizer, "eos_token", None))
+                                 getattr(tokenizer, "eos_token", None), "kimi_k2" if k2 else None)
     return ChatTemplate()

@@ -10,6 +10,8 @@ WORDS = ["hello", " world", "Hello", " the", " weather", " in", " Paris", " city
          "漢字", " café"]
 SPECIALS = ["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>"]
 K3_SPECIALS = ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"]
+K2_TOOL_SPECIALS = ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                    "<|tool_call_argument_begin|>", "<|tool_call_end|>"]
 K2_TEMPLATE = ("{% for m in messages %}<|im_{{ m.role }}|>{{ m.role }}<|im_middle|>{{ m.content }}<|im_end|>"
                "{% endfor %}{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}")
 
@@ -23,12 +25,13 @@ def ranks() -> dict[bytes, int]:
     return r
 
 
-def write_kimi_tokenizer(directory, k3_tokens: bool = True, chat_template: str | None = None) -> Path:
+def write_kimi_tokenizer(directory, k3_tokens: bool = True, chat_template: str | None = None,
+                         k2_tool_tokens: bool = False) -> Path:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     r = ranks()
     write_tiktoken_file(r, d / "tiktoken.model")
-    names = SPECIALS + (K3_SPECIALS if k3_tokens else [])
+    names = SPECIALS + (K3_SPECIALS if k3_tokens else []) + (K2_TOOL_SPECIALS if k2_tool_tokens else [])
     cfg = {"added_tokens_decoder": {str(len(r) + i): {"content": t, "special": True} for i, t in enumerate(names)},
            "bos_token": "[BOS]", "eos_token": {"content": "[EOS]", "special": True}, "pad_token": "[EOS]",
            "tokenizer_class": "TikTokenTokenizer"}

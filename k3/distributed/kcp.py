@@ -33,10 +33,10 @@ Every rank must run the backward of every KCP call (as with DDP): the backward a
 The GLOBAL interface (``cp_chunk_kda``): B = 1 packed documents, the GLOBAL ``cu_seqlens`` on every rank, and the
 packed sequence cut into R equal contiguous slices (total tokens divisible by R); rank r passes tokens
 [r T/R, (r+1) T/R) and gets their outputs. Two implementations behind it, drop-in comparable:
-  - impl="k3"  (``kcp_chunk_kda_global``): the KCP above, through ``local_cu_seqlens``; any device, any backend
+  - impl="k3"  (``_kcp_global``): the KCP above, through ``local_cu_seqlens``; any device, any backend
     (fla's kernels for the local chunks on CUDA, the torch reference elsewhere), final states available through
     ``kcp_chunk_kda`` itself;
-  - impl="fla" (``fla_cp_chunk_kda``): fla-core's own CP (``fla.ops.cp.build_cp_context`` + ``chunk_kda(...,
+  - impl="fla" (``_fla_cp``): fla-core's own CP (``fla.ops.cp.build_cp_context`` + ``chunk_kda(...,
     cp_context=...)``); CUDA and fla-core only, no initial/final states.
 """
 
@@ -50,8 +50,7 @@ from ..ops.kda.fla import fla_build_cp_context, fla_chunk_kda_cp, fla_cp_availab
 from ..ops.short_conv import short_conv
 from ..ops.varlen import cached_plan
 
-__all__ = ["kcp_chunk_kda", "kcp_short_conv", "local_cu_seqlens", "equal_split", "kcp_chunk_kda_global",
-           "fla_cp_chunk_kda", "cp_chunk_kda", "CP_IMPLS"]
+__all__ = ["kcp_chunk_kda", "kcp_short_conv", "local_cu_seqlens", "equal_split", "cp_chunk_kda", "CP_IMPLS"]
 
 CP_IMPLS = ("k3", "fla")
 
@@ -244,13 +243,13 @@ def _global_split(q, cu_seqlens, group) -> tuple[torch.Tensor, int, int]:
     return cu, start, end
 
 
-def kcp_chunk_kda_global(q, k, v, g, beta, cu_seqlens=None, group=None, scale=None, lower_bound=None,
+def _kcp_global(q, k, v, g, beta, cu_seqlens=None, group=None, scale=None, lower_bound=None,
                          backend="auto", chunk_size=64):
     """k3's KCP behind the GLOBAL interface: this rank's outputs o [1, T/R, H, V].
 
     q, k, g [1, T/R, H, K], v [1, T/R, H, V], beta [1, T/R, H]: this rank's equal contiguous slice of the packed
     sequence; ``cu_seqlens``: the GLOBAL document boundaries [0, ..., T] (None: one document), the same on every
-    rank. Same arguments as ``fla_cp_chunk_kda``; ``backend``/``chunk_size`` pick the local kernels as in
+    rank. Same arguments as ``_fla_cp``; ``backend``/``chunk_size`` pick the local kernels as in
     ``kcp_chunk_kda`` (which also gives final states). Every rank must run the backward.
     """
     _check_global_shapes(q, k, v, g, beta, cu_seqlens)
@@ -261,11 +260,11 @@ def kcp_chunk_kda_global(q, k, v, g, beta, cu_seqlens=None, group=None, scale=No
     return o
 
 
-def fla_cp_chunk_kda(q, k, v, g, beta, cu_seqlens=None, group=None, scale=None, lower_bound=None):
+def _fla_cp(q, k, v, g, beta, cu_seqlens=None, group=None, scale=None, lower_bound=None):
     """fla-core's own context parallelism behind the GLOBAL interface (``fla.ops.cp.build_cp_context`` and
     ``fla.ops.kda.chunk_kda(..., cp_context=...)``, 'contiguous' layout): this rank's outputs o [1, T/R, H, V].
 
-    Arguments as ``kcp_chunk_kda_global``. Needs fla-core (with triton) and CUDA tensors; there is no initial or
+    Arguments as ``_kcp_global``. Needs fla-core (with triton) and CUDA tensors; there is no initial or
     final state under fla's CP. Every rank must run the backward.
     """
     _check_global_shapes(q, k, v, g, beta, cu_seqlens)
@@ -274,8 +273,8 @@ def fla_cp_chunk_kda(q, k, v, g, beta, cu_seqlens=None, group=None, scale=None, 
             why = f"the tensors are on {q.device}"
         else:
             why = fla_dtype_error(q) or "fla-core's fla.ops.cp does not import here"
-        raise RuntimeError(f"fla_cp_chunk_kda (impl='fla') needs fla-core with triton on CUDA tensors ({why}); "
-                           "kcp_chunk_kda_global / cp_chunk_kda(impl='k3') is the portable path (any device, "
+        raise RuntimeError(f"cp_chunk_kda(impl='fla') needs fla-core with triton on CUDA tensors ({why}); "
+                           "cp_chunk_kda(impl='k3') is the portable path (any device, "
                            "torch or fla local kernels)")
     cu, _, _ = _global_split(q, cu_seqlens, group)
     if cu_seqlens is None or cu_seqlens.device != q.device or cu_seqlens.dtype not in (torch.int32, torch.long):
@@ -286,14 +285,14 @@ def fla_cp_chunk_kda(q, k, v, g, beta, cu_seqlens=None, group=None, scale=None, 
 
 def cp_chunk_kda(q, k, v, g, beta, cu_seqlens=None, group=None, scale=None, lower_bound=None, impl="k3",
                  backend="auto", chunk_size=64):
-    """Context-parallel chunk_kda behind the GLOBAL interface; ``impl``: "k3" (``kcp_chunk_kda_global``, portable)
-    or "fla" (``fla_cp_chunk_kda``, fla-core on CUDA). ``backend`` and ``chunk_size`` choose impl="k3"'s local
+    """Context-parallel chunk_kda behind the GLOBAL interface; ``impl``: "k3" (``_kcp_global``, portable)
+    or "fla" (``_fla_cp``, fla-core on CUDA). ``backend`` and ``chunk_size`` choose impl="k3"'s local
     kernels; impl="fla" always runs fla's (64-token chunks)."""
     if impl == "k3":
-        return kcp_chunk_kda_global(q, k, v, g, beta, cu_seqlens, group, scale, lower_bound, backend, chunk_size)
+        return _kcp_global(q, k, v, g, beta, cu_seqlens, group, scale, lower_bound, backend, chunk_size)
     if impl == "fla":
         if backend not in ("auto", "fla") or chunk_size != 64:
             raise ValueError(f"impl='fla' runs fla-core's kernels with 64-token chunks; backend={backend!r} and "
                              f"chunk_size={chunk_size} apply to impl='k3' only")
-        return fla_cp_chunk_kda(q, k, v, g, beta, cu_seqlens, group, scale, lower_bound)
+        return _fla_cp(q, k, v, g, beta, cu_seqlens, group, scale, lower_bound)
     raise ValueError(f"unknown CP implementation {impl!r}; expected one of {CP_IMPLS}")

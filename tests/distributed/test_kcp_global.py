@@ -1,6 +1,6 @@
 """The GLOBAL context-parallel interface (``cp_chunk_kda``): global cu_seqlens, equal contiguous split across ranks.
 
-impl="k3" (``kcp_chunk_kda_global``) against single-process chunk_kda on the whole packed sequence, on 2 gloo ranks:
+impl="k3" (``cp_chunk_kda``) against single-process chunk_kda on the whole packed sequence, on 2 gloo ranks:
 outputs and input gradients, documents crossing the rank cut, starting exactly at it, or spanning everything.
 impl="fla" needs fla-core on CUDA: here (CPU) it must raise a clear error; tests/gpu/test_fla_cp.py runs it.
 Legend: T time, H heads, K key dim, V value dim, C chunk size.
@@ -9,7 +9,7 @@ Legend: T time, H heads, K key dim, V value dim, C chunk size.
 import pytest
 import torch
 
-from k3.distributed.kcp import cp_chunk_kda, equal_split, fla_cp_chunk_kda, kcp_chunk_kda_global
+from k3.distributed.kcp import cp_chunk_kda, equal_split
 from k3.ops.kda.reference import chunk_kda
 
 from .gloo import needs_gloo, spawn
@@ -35,31 +35,29 @@ def test_equal_split():
 
 def test_fla_impl_on_cpu_raises_a_clear_error():
     xs = long_memory_inputs(1, 16)
-    for call in (lambda: fla_cp_chunk_kda(*xs, torch.tensor([0, 16])),
-                 lambda: cp_chunk_kda(*xs, torch.tensor([0, 16]), impl="fla")):
-        with pytest.raises(RuntimeError, match="fla-core .* CUDA .*kcp_chunk_kda_global"):
-            call()
+    with pytest.raises(RuntimeError, match=r"fla-core .* CUDA .*cp_chunk_kda\(impl='k3'\)"):
+        cp_chunk_kda(*xs, torch.tensor([0, 16]), impl="fla")
 
 
 def test_global_interface_input_errors_need_no_process_group():
     q, k, v, g, beta = long_memory_inputs(1, 16)
     cu = torch.tensor([0, 16])
     with pytest.raises(ValueError, match="batch 1"):
-        kcp_chunk_kda_global(*long_memory_inputs(2, 16), cu)
+        cp_chunk_kda(*long_memory_inputs(2, 16), cu)
     with pytest.raises(ValueError, match="v must be"):
-        kcp_chunk_kda_global(q, k, v[:, :8], g, beta, cu)
+        cp_chunk_kda(q, k, v[:, :8], g, beta, cu)
     with pytest.raises(ValueError, match="same shape"):
-        kcp_chunk_kda_global(q, k[..., :4], v, g, beta, cu)
+        cp_chunk_kda(q, k[..., :4], v, g, beta, cu)
     with pytest.raises(ValueError, match="beta must be"):
-        kcp_chunk_kda_global(q, k, v, g, beta[..., :1], cu)
+        cp_chunk_kda(q, k, v, g, beta[..., :1], cu)
     with pytest.raises(ValueError, match="strictly increase"):
-        kcp_chunk_kda_global(q, k, v, g, beta, torch.tensor([0, 8, 8, 16]))
+        cp_chunk_kda(q, k, v, g, beta, torch.tensor([0, 8, 8, 16]))
     with pytest.raises(ValueError, match="unknown CP implementation"):
         cp_chunk_kda(q, k, v, g, beta, cu, impl="nccl")
     with pytest.raises(ValueError, match="apply to impl='k3' only"):
         cp_chunk_kda(q, k, v, g, beta, cu, impl="fla", backend="torch")
     with pytest.raises(RuntimeError, match="initialized torch.distributed"):
-        kcp_chunk_kda_global(q, k, v, g, beta, cu)
+        cp_chunk_kda(q, k, v, g, beta, cu)
 
 
 # ---------------------------------------------------------------- multi-process (gloo)
@@ -81,7 +79,7 @@ def _check_global(rank, world):
         if i % 2:
             o = cp_chunk_kda(*xs, cu, scale=scale, impl="k3", backend="torch", chunk_size=C)
         else:
-            o = kcp_chunk_kda_global(*xs, cu_seqlens=cu, scale=scale, backend="torch", chunk_size=C)
+            o = cp_chunk_kda(*xs, cu_seqlens=cu, scale=scale, backend="torch", chunk_size=C)
         (o * do[:, start:end]).sum().backward()
         assert_close(f"rank {rank} o {layout}", o_ref[:, start:end], o, 1e-9)
         # the tokens next to the cut are the ones the carried state (forward) and its adjoint (backward) reach
@@ -94,10 +92,10 @@ def _check_global(rank, world):
     # errors that need the group's size: raised on every rank before any collective
     xs = [x[:, start:end] for x in long_memory_inputs(1, T)]
     with pytest.raises(ValueError, match="multiple of the 2 ranks"):
-        kcp_chunk_kda_global(*xs, torch.tensor([0, 50, 127]))
+        cp_chunk_kda(*xs, torch.tensor([0, 50, 127]))
     with pytest.raises(ValueError, match="its own 32-token slice"):
-        kcp_chunk_kda_global(*xs, torch.tensor([0, 64]))
-    with pytest.raises(RuntimeError, match="kcp_chunk_kda_global"):
+        cp_chunk_kda(*xs, torch.tensor([0, 64]))
+    with pytest.raises(RuntimeError, match=r"cp_chunk_kda\(impl='k3'\)"):
         cp_chunk_kda(*xs, torch.tensor([0, T]), impl="fla")
 
 

@@ -113,6 +113,10 @@ class VisionConfig:
             for src in (d, w):
                 if name in src:
                     kw[_PROJECTOR_KEYS[name]] = src.pop(name) if src is d else src[name]
+        for key, value in _FIXED.items():  # written back by to_hf
+            got = d.pop(key, value)
+            if got != value:
+                raise ValueError(f"vision_config.{key}: k3 builds {value!r} only; got {got!r}")
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         for k in list(d):
             if k in names:
@@ -170,15 +174,12 @@ def _validate(c: VisionConfig) -> None:
     need(len(c.merge_kernel_size) == 2 and all(isinstance(k, int) and k > 0 for k in c.merge_kernel_size),
          "merge_kernel_size", f"must be two positive ints, got {c.merge_kernel_size!r}")
     need(c.text_hidden_size is None or c.text_hidden_size > 0, "text_hidden_size", "must be positive or absent")
-    for key, value in _FIXED.items():
-        got = c.extra.get(key, value)
-        need(got == value, key, f"k3 builds {value!r} only; got {got!r}")
 
 
 # ---- presets --------------------------------------------------------------------------------------------------
 
 def moonvit_v2() -> VisionConfig:
-    """K3's MoonViT-V2 (the release's vision_config): 401.3M parameters, plus a 46.1M projector into hidden 7168."""
+    """K3's MoonViT-V2 (the release's vision_config): 401.2M parameters, plus a 46.1M projector into hidden 7168."""
     return VisionConfig()
 
 

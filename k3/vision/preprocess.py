@@ -37,7 +37,12 @@ MEAN = STD = 0.5
 
 
 class ImageError(ValueError):
-    """An image k3 cannot use; the message says what was wrong and what to do."""
+    """An image k3 cannot use; the message says what was wrong and what to do; ``param`` names the request field
+    it came from, when it came from one (``messages[0].content[1]``)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,21 @@ from ..model.transformer import CausalLMOutput, K3ForCausalLM
 from .config import DEFAULT_MEDIA_PLACEHOLDER_ID, VisionConfig, vision_of
 from .tower import MoonViT
 
-__all__ = ["K3ForConditionalGeneration", "Projector", "tokens_per_image"]
+__all__ = ["K3ForConditionalGeneration", "Projector", "tokens_per_image", "count_vision_parameters"]
 
 
 def tokens_per_image(grid: tuple[int, int], cfg: VisionConfig) -> int:
     """How many placeholder tokens an image of ``grid`` = (h, w) patches takes in the prompt."""
     return grid[0] * grid[1] // cfg.merge
+
+
+def count_vision_parameters(cfg: VisionConfig, text_hidden: int) -> dict[str, int]:
+    """{"vision_tower": n, "mm_projector": n}: built on the meta device (no memory). MoonViT-V2 as released:
+    401,214,464 + 46,144,512 into hidden 7168."""
+    with torch.device("meta"):
+        tower, projector = MoonViT(cfg), Projector(cfg, text_hidden)
+    return {"vision_tower": sum(p.numel() for p in tower.parameters()),
+            "mm_projector": sum(p.numel() for p in projector.parameters())}
 
 
 class Projector(nn.Module):

@@ -2,10 +2,11 @@
 
 A tiny MoonViT-V2 tower (2 layers, width 64) and projector with the ``tiny`` K3 language model learn to answer
 questions about rendered scenes (k3.vision.shapes: a coloured shape and a digit): each example is a ChatML chat, the
-user's message an image part and a question, built by ``k3.vision.encode_chat`` (what SFT data with images goes
-through), the target the answer then ``<|im_end|>``; the loss is on the answer's tokens only. Fresh scenes every step;
-the validation scenes are never trained on. The language model trains from the first step; the tower and projector
-join at ``--vision-after`` (default: half way) at a thirtieth of its learning rate (``train`` says why).
+user's message a question then an image part (the image nearest the answer), built by ``k3.vision.encode_chat``
+(what SFT data with images goes through), the target the answer then ``<|im_end|>``; the loss is on the answer's
+tokens only. Fresh scenes every step; the validation scenes are never trained on. The language model trains from
+the first step; the tower and projector join at ``--vision-after`` (default: half way) at a thirtieth of its
+learning rate (``train`` says why).
 
 The evidence that the model uses the image: on the held-out scenes, the answer loss with each example's own image
 against the same examples with the images shuffled (each question shown another scene's image), and the exact-match
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .common import positive_int, seed
+from .common import int_at_least, number, positive_int, seed
 
 CHANCE = {"shape": 1 / 3, "colour": 1 / 4, "digit": 1 / 10}  # the answers' prior: what ignoring the image scores
 HELP = "train a tiny vision tower + LM on rendered shapes and digits (CPU, no download); image vs shuffled-image gap"
@@ -35,10 +36,10 @@ HELP = "train a tiny vision tower + LM on rendered shapes and digits (CPU, no do
 def add_arguments(p) -> None:
     p.add_argument("--steps", type=positive_int, default=400, help="optimizer steps")
     p.add_argument("--batch-size", type=positive_int, default=16, help="examples per step (fresh scenes)")
-    p.add_argument("--lr", type=float, default=3e-3, help="the language model's peak AdamW learning rate (cosine "
-                   "decay to a tenth)")
-    p.add_argument("--vision-lr", type=float, default=1e-4, help="the tower's and projector's, once they train")
-    p.add_argument("--vision-after", type=int, default=None, metavar="STEPS",
+    p.add_argument("--lr", type=number(0, lo_open=True), default=3e-3,
+                   help="the language model's peak AdamW learning rate (cosine decay to a tenth)")
+    p.add_argument("--vision-lr", type=number(0), default=1e-4, help="the tower's and projector's, once they train")
+    p.add_argument("--vision-after", type=int_at_least(0), default=None, metavar="STEPS",
                    help="the tower and projector are held until this step (default: half the steps), then warm up "
                    "over 50 steps")
     p.add_argument("--val-scenes", type=positive_int, default=100, help="held-out scenes (3 questions each)")

@@ -1,4 +1,5 @@
-"""Image bytes for the tests: valid PNGs, and the bad ones a server must refuse."""
+"""Image bytes for the tests: valid PNGs, and the bad ones a server must refuse; and a model's own greedy reply to
+chat messages with images (what chat and serve must reproduce)."""
 
 import io
 import struct
@@ -21,3 +22,21 @@ def png_header(width: int, height: int) -> bytes:
 
 
 CORRUPT = b"\x89PNG\r\n\x1a\n this is not an image at all"
+
+
+def greedy_reply(model, tok, messages, n: int = 4) -> tuple[str, int]:
+    """(the text of ``model``'s ``n`` greedy tokens after ``messages`` in ChatML, the prompt's length), by full
+    forwards of K3ForConditionalGeneration (no engine, no cache)."""
+    import torch
+
+    from k3.serve.chat import ChatTemplate
+    from k3.vision.chat import encode_chat
+
+    out = encode_chat(ChatTemplate(), tok, messages, model.vision_config, model.media_placeholder_token_id)
+    pixels, grids = out.packed()
+    ids, new = list(out.ids), []
+    with torch.no_grad():
+        for _ in range(n):
+            new.append(int(model(torch.tensor([ids]), pixels, grids).logits[0, -1].argmax()))
+            ids.append(new[-1])
+    return tok.decode(new, skip_special_tokens=False), len(out.ids)

@@ -12,10 +12,8 @@ from k3.checkpoint import save_pretrained
 from k3.cli import build_parser, chat, main
 from k3.cli.generate import load_for_inference
 from k3.data.tokenizer import save_tokenizer, train_tokenizer
-from k3.serve.chat import ChatTemplate
 from k3.vision import K3ForConditionalGeneration, VisionConfig
-from k3.vision.chat import encode_chat
-from tests.vision.images import CORRUPT, png
+from tests.vision.images import CORRUPT, greedy_reply, png
 
 
 @pytest.fixture(scope="module")
@@ -41,15 +39,6 @@ def chat_args(ck, *images):
     return build_parser().parse_args(argv + [a for im in images for a in ("--image", str(im))])
 
 
-def greedy(model, tok, messages, n=4):
-    out = encode_chat(ChatTemplate(), tok, messages, model.vision_config, model.media_placeholder_token_id)
-    pixels, grids = out.packed()
-    ids, new = list(out.ids), []
-    with torch.no_grad():
-        for _ in range(n):
-            new.append(int(model(torch.tensor([ids]), pixels, grids).logits[0, -1].argmax()))
-            ids.append(new[-1])
-    return tok.decode(new, skip_special_tokens=False)
 
 
 def test_images_go_with_the_first_message(checkpoints):
@@ -62,10 +51,10 @@ def test_images_go_with_the_first_message(checkpoints):
     first = [{"role": "user", "content": [{"type": "image", "path": str(img / "red.png")},
                                           {"type": "image", "path": str(img / "wide.png")},
                                           {"type": "text", "text": "what colour?"}]}]
-    assert replies[0] == greedy(model, tok, first) + "\n"
+    assert replies[0] == greedy_reply(model, tok, first)[0] + "\n"
     second = first + [{"role": "assistant", "content": replies[0][:-1]}, {"role": "user", "content": "and now?"}]
-    assert replies[1] == greedy(model, tok, second) + "\n"
-    assert replies[0] != greedy(model, tok, [{"role": "user", "content": "what colour?"}]) + "\n"
+    assert replies[1] == greedy_reply(model, tok, second)[0] + "\n"
+    assert replies[0] != greedy_reply(model, tok, [{"role": "user", "content": "what colour?"}])[0] + "\n"
 
 
 def test_refused_at_start_with_the_option_named(checkpoints, capsys):

@@ -9,7 +9,7 @@ import openai
 import pytest
 import torch
 
-from k3 import K3Config, K3ForCausalLM
+from k3 import K3Config
 from k3.data.tokenizer import train_tokenizer
 from k3.inference.engine import Engine, EngineConfig
 from k3.serve import create_app
@@ -17,7 +17,7 @@ from k3.serve.chat import ChatTemplate
 from k3.vision import K3ForConditionalGeneration, VisionConfig
 from k3.vision.chat import data_url, encode_chat
 from tests.serve.fake_engine import live_server
-from tests.vision.images import CORRUPT, png, png_header
+from tests.vision.images import CORRUPT, greedy_reply, png, png_header
 
 MODEL = "tiny-vl"
 TINY = VisionConfig.preset("tiny")
@@ -55,22 +55,13 @@ def ask(client, messages, max_tokens=4):
     return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0)
 
 
-def greedy(model, tok, messages, n):
-    out = encode_chat(ChatTemplate(), tok, messages, TINY, model.media_placeholder_token_id)
-    pixels, grids = out.packed()
-    ids, new = list(out.ids), []
-    with torch.no_grad():
-        for _ in range(n):
-            new.append(int(model(torch.tensor([ids]), pixels, grids).logits[0, -1].argmax()))
-            ids.append(new[-1])
-    return tok.decode(new, skip_special_tokens=False), len(out.ids)
 
 
 def test_reply_is_the_models_reply_to_the_image_and_the_cache_knows_images(served, tok):
     model, client, _ = served
     red, blue = data_url(png(40, 30, (220, 20, 20))), data_url(png(40, 30, (20, 20, 220)))
     r = ask(client, image(red))
-    text, n_prompt = greedy(model, tok, image(red), 4)
+    text, n_prompt = greedy_reply(model, tok, image(red))
     assert r.choices[0].message.content == text and r.usage.prompt_tokens == n_prompt
     assert r.usage.prompt_tokens_details.cached_tokens == 0
     again = ask(client, image(red))
@@ -79,7 +70,7 @@ def test_reply_is_the_models_reply_to_the_image_and_the_cache_knows_images(serve
     other = ask(client, image(blue))  # the same tokens, another image: nothing past the image's start is reused
     start = encode_chat(ChatTemplate(), tok, image(blue), TINY, model.media_placeholder_token_id).starts[0]
     assert other.usage.prompt_tokens_details.cached_tokens <= start
-    assert other.choices[0].message.content == greedy(model, tok, image(blue), 4)[0]
+    assert other.choices[0].message.content == greedy_reply(model, tok, image(blue))[0]
 
 
 @pytest.mark.parametrize("url, message, param", [

@@ -2,7 +2,7 @@
 
 A tiny MoonViT-V2 tower (2 layers, width 64) and projector with the ``tiny`` K3 language model learn to answer
 questions about rendered scenes (k3.vision.shapes: a coloured shape and a digit): each example is a ChatML chat, the
-user's message a question then an image part (the image nearest the answer), built by ``k3.vision.encode_chat``
+user's message an image part then a question (as ``k3 chat --image`` sends them), built by ``k3.vision.encode_chat``
 (what SFT data with images goes through), the target the answer then ``<|im_end|>``; the loss is on the answer's
 tokens only. Fresh scenes every step; the validation scenes are never trained on. The language model trains from
 the first step; the tower and projector join at ``--vision-after`` (default: half way) at a thirtieth of its
@@ -62,7 +62,7 @@ class Examples:
 class SceneTask:
     """Tokenizer, prompts and batches of the demo (ChatML prompts built once per question by encode_chat)."""
 
-    def __init__(self, vision, question_first: bool = True):
+    def __init__(self, vision):
         from ..data.tokenizer import EOS, train_tokenizer
         from ..serve.chat import ChatTemplate
         from ..vision.chat import data_url, encode_chat
@@ -81,7 +81,7 @@ class SceneTask:
         part = {"type": "image_url", "image_url": {"url": data_url(buf.getvalue())}}
         self.prompts = {}  # question kind -> prompt ids with the image's placeholder run
         for kind, q in QUESTIONS.items():
-            parts = [{"type": "text", "text": q}, part] if question_first else [part, {"type": "text", "text": q}]
+            parts = [part, {"type": "text", "text": q}]  # as `k3 chat --image` sends it: the image, then the text
             out = encode_chat(self.template, self.tok, [{"role": "user", "content": parts}], vision, self.placeholder)
             self.prompts[kind] = out.ids
         self.kinds = list(QUESTIONS)

@@ -55,9 +55,8 @@ def load_for_inference(path: str | Path, device, dtype: torch.dtype | None = Non
     SHA256SUMS (k3.checkpoint.manifest) first; ``packed_experts``: the routed experts stay MXFP4-packed
     (k3.quant.PackedExpertBank; the dtype cast leaves their uint8 buffers alone). A multimodal checkpoint (its
     config.json has a ``vision_config``) loads with its vision tower (k3.vision.K3ForConditionalGeneration). The
-    tokenizer is the Kimi
-    release's (``tiktoken.model`` + ``tokenizer_config.json``) when the directory has one, else k3's
-    ``tokenizer.json``."""
+    tokenizer is the Kimi release's (``tiktoken.model`` + ``tokenizer_config.json``) when the directory has one,
+    else k3's ``tokenizer.json``."""
     from ..checkpoint import load_pretrained
     from ..checkpoint.manifest import verify_checksums
     from ..data import load_tokenizer

@@ -130,7 +130,7 @@ class K3ForConditionalGeneration(nn.Module):
         if n_slots != n_image:
             raise ValueError(f"the input has {n_slots} image placeholder tokens (id {self.media_placeholder_token_id}) "
                              f"but the images {list(grids)} give {n_image} tokens: each image needs h*w/"
-                             f"{self.vision_config.merge} placeholders (k3.vision.expand_placeholders)")
+                             f"{self.vision_config.merge} placeholders (k3.vision.encode_chat builds such prompts)")
         if not n_image:
             return x
         features = self.encode_images(pixels, grids).to(x.dtype)

@@ -16,11 +16,11 @@ from ..config import K3Config
 from ..ops.mx import dequantize_mxfp4
 from .errors import CheckpointError
 from .manifest import forget_checksums, record_checksums, verify_checksums
+from .multimodal import TEXT_PREFIX, VISION_PREFIXES, is_vision, split_text, vision_state
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 CONFIG, GENERATION = "config.json", "generation_config.json"
-_SKIP_PREFIXES = ("vision_tower.", "vision_model.", "mm_projector.", "multi_modal_projector.")
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
 _MTP_OUT = re.compile(r"^mtp\.(\d+)\.(block\.)?(.*)$")
 _MTP_IN = re.compile(r"^model\.mtp\.(?:layers\.)?(\d+)\.(.*)$")  # model.mtp.layers.{i}.* / model.mtp.{i}.*
@@ -59,9 +59,9 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], config: K3Config) -> dict[s
 
 def _our_name(name: str, config: K3Config) -> str | None:
     """A checkpoint tensor's name in our module tree, or None for a tensor the text model does not use."""
-    if name.startswith("language_model."):
-        name = name[len("language_model."):]
-    if name.startswith(_SKIP_PREFIXES):
+    if name.startswith(TEXT_PREFIX):
+        name = name[len(TEXT_PREFIX):]
+    if name.startswith(VISION_PREFIXES):
         return None
     name = re.sub(r"_res\.(proj|norm)_weight$", r"_res_\1.weight", name)  # the dotted AttnRes form
     # the router bias beside the router instead of in it
@@ -174,7 +174,9 @@ def save_pretrained(model, directory: str | Path, max_shard_bytes: int = 5 * 2**
     sha256 sums into ``SHA256SUMS`` last (see manifest.py).
     ``state``: the full state dict to write instead of ``model.state_dict()`` (e.g. gathered from FSDP shards).
     ``quantization="mxfp4"``: routed experts in the release's packed layout (k3.quant.export) with its
-    ``quantization_config``; a model that already keeps its experts packed is written packed either way."""
+    ``quantization_config``; a model that already keeps its experts packed is written packed either way.
+    A multimodal model (k3.vision.K3ForConditionalGeneration) is written in the release's multimodal layout: the text
+    weights, translated as a text model's, under ``language_model.``, the vision tensors as they are named."""
     from ..quant.export import is_packed_state, pack_expert_state, quantization_config
 
     if quantization not in (None, "mxfp4"):
@@ -184,7 +186,11 @@ def save_pretrained(model, directory: str | Path, max_shard_bytes: int = 5 * 2**
     state = {k: v.detach().cpu() for k, v in (model.state_dict() if state is None else state).items()}
     if quantization == "mxfp4":
         state = pack_expert_state(state)
-    hf = to_hf_state_dict(state, model.config)
+    parts = split_text(state)
+    if parts is None:
+        hf = to_hf_state_dict(state, model.config)
+    else:
+        hf = {TEXT_PREFIX + k: v for k, v in to_hf_state_dict(parts[0], model.config).items()} | parts[1]
     # tensors that share storage (the per-expert views of one 3-D tensor) must be saved as separate copies
     hf = {k: v.clone() if v.storage_offset() or not v.is_contiguous() else v for k, v in hf.items()}
     shards: list[dict] = [{}]
@@ -259,6 +265,8 @@ def read_hf_tensors(directory: str | Path, verify: bool = True) -> dict[str, tor
 
 
 def _mismatch(config: K3Config, missing: list[str], unexpected: list[str]) -> str:
+    missing, unexpected = ([n.removeprefix(TEXT_PREFIX) for n in names] for names in (missing, unexpected))
+
     def few(names):
         return f"{names[:8]}{' ...' if len(names) > 8 else ''}"
 
@@ -276,10 +284,11 @@ def _mismatch(config: K3Config, missing: list[str], unexpected: list[str]) -> st
 
 
 def load_pretrained(directory: str | Path, config: K3Config | None = None, dtype=None, device="cpu",
-                    strict: bool = True, verify: bool = True, keep_packed: bool = False):
+                    strict: bool = True, verify: bool = True, keep_packed: bool = False, vision: bool = False):
     """Build a K3ForCausalLM from a checkpoint directory: k3's, the K3 release, or a Kimi Linear checkpoint
     written by transformers. Tensors the text model does not use (vision tower, projector) are skipped with a
-    warning and listed in ``model.skipped_weights``. ``verify``: check the files read against the directory's
+    warning and listed in ``model.skipped_weights``; with ``vision`` they are loaded too, into a
+    k3.vision.K3ForConditionalGeneration (the config.json must have a ``vision_config``). ``verify``: check the files read against the directory's
     SHA256SUMS (when it has one) and name any that differ. ``keep_packed``: serve the routed experts packed
     (MXFP4, k3.quant.PackedExpertBank); float experts in the checkpoint are quantised on load (post-training
     quantisation)."""
@@ -289,7 +298,8 @@ def load_pretrained(directory: str | Path, config: K3Config | None = None, dtype
     if verify:
         verify_checksums(directory, [CONFIG])
     config = config or K3Config.from_hf(directory)
-    state, skipped = from_hf_state_dict(read_hf_tensors(directory, verify), config, dtype, keep_packed=keep_packed)
+    hf = read_hf_tensors(directory, verify)
+    state, skipped = from_hf_state_dict(hf, config, dtype, keep_packed=keep_packed)
     if keep_packed:
         state = pack_expert_state(state)
     if "quantization_config" in config.extra:  # the model in memory is described by its modules, not this
@@ -299,13 +309,23 @@ def load_pretrained(directory: str | Path, config: K3Config | None = None, dtype
         warnings.warn(f"{directory}: config.json declares {config.num_nextn_predict_layers} MTP layer(s) but the "
                       "checkpoint has no MTP weights; loading the model without MTP", stacklevel=2)
         config = config.replace(num_nextn_predict_layers=0)
+    prefix = TEXT_PREFIX if vision else ""
+    if vision:
+        from ..vision.model import K3ForConditionalGeneration  # the vision tower builds on the model, as we do
+
+        if not (config.top_level or {}).get("vision_config"):
+            raise CheckpointError(f"{directory}: config.json has no vision_config: a text-only checkpoint; load it "
+                                  "as K3ForCausalLM, or give the config of a multimodal model")
+        state = {TEXT_PREFIX + k: v for k, v in state.items()} | vision_state(hf, state["model.embed_tokens.weight"].dtype)
+        skipped = [n for n in skipped if not is_vision(n)]
+    del hf
     with torch.device("meta"):
-        model = K3ForCausalLM(config)
+        model = K3ForConditionalGeneration(config) if vision else K3ForCausalLM(config)
     if keep_packed:
         pack_experts(model, quantize=False)
     expected = model.state_dict()
     if config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
+        expected.pop(prefix + "lm_head.weight", None)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if strict and (missing or unexpected):
@@ -315,8 +335,9 @@ def load_pretrained(directory: str | Path, config: K3Config | None = None, dtype
     if bad:
         raise CheckpointError("shape mismatch (a checkpoint of another config?): " + "; ".join(bad[:10]))
     model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
+    lm = model.language_model if vision else model
     if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        lm.lm_head.weight = lm.model.embed_tokens.weight
     leftover = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if leftover:
         raise CheckpointError(f"parameters not in the checkpoint: {leftover[:10]}")

@@ -2,11 +2,15 @@
 
 Ctrl-C while a reply streams stops that reply (the request is cancelled in the engine) and keeps what was
 printed of it in the conversation; Ctrl-C or Ctrl-D (or an empty line) at the prompt ends the chat.
+
+``--image PATH`` (repeatable) puts images before the first message's text (a checkpoint with a vision tower:
+k3.vision); they stay in the conversation, and the prefix cache keeps them encoded across turns.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from .common import add_device_argument, add_verify_argument
 from .generate import ReplyInterrupted, add_sampling_arguments, load_for_inference, make_engine, sampling_from_args
@@ -17,6 +21,9 @@ HELP = "chat with a checkpoint in the terminal (multi-turn; earlier turns hit th
 def add_arguments(p) -> None:
     p.add_argument("--checkpoint", required=True, help="a checkpoint directory or a run directory")
     p.add_argument("--system", default=None, help="an optional system message")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image (PNG, JPEG, GIF, WebP, BMP) shown with the first message; repeat for several "
+                   "(needs a checkpoint with a vision tower)")
     add_sampling_arguments(p, max_tokens=256)
     add_device_argument(p)
     add_verify_argument(p)
@@ -38,8 +45,9 @@ def reply(engine, template, messages, params, out) -> str:
     """One assistant turn: prompt in the chat format, stream the reply's content to ``out``, return it. Ctrl-C
     cancels the request, waits for the engine to end it, and raises ReplyInterrupted with the text so far."""
     from ..inference.api import FinishEvent, GenerationRequest, TokenEvent
+    from ..serve.images import chat_prompt
 
-    prompt = template.prompt(engine.tokenizer, messages)
+    ids, parser, images = chat_prompt(engine, template, messages)
     content = []
 
     def show(events):
@@ -49,19 +57,34 @@ def reply(engine, template, messages, params, out) -> str:
                 out.flush()
                 content.append(ev.text)  # after the write: an interrupted write was not shown
 
-    handle = engine.submit(GenerationRequest(tuple(prompt.ids), params))
+    handle = engine.submit(GenerationRequest(tuple(ids), params, images=images))
     try:
         for ev in handle:
             if isinstance(ev, TokenEvent):
-                show(prompt.parser.feed(ev.text))
+                show(parser.feed(ev.text))
     except KeyboardInterrupt:
         handle.cancel()
         for ev in handle:  # the engine ends the request with FinishEvent("abort") at its next step
             if isinstance(ev, FinishEvent):
                 break
         raise ReplyInterrupted("".join(content)) from None
-    show(prompt.parser.finish())
+    show(parser.finish())
     return "".join(content)
+
+
+def _image_parts(model, paths: list[str]) -> list[dict]:
+    """The first message's image parts, each image read and checked now (an error names the file)."""
+    if not paths:
+        return []
+    vision = getattr(model, "vision_config", None)
+    if vision is None:
+        raise ValueError("--image: this checkpoint has no vision tower (its config.json has no vision_config), so it "
+                         "cannot read images; chat without --image, or use a multimodal checkpoint")
+    from ..vision.preprocess import load_image
+
+    for path in paths:
+        load_image(path, vision, name=f"--image {path}")
+    return [{"type": "image", "path": str(Path(path).resolve())} for path in paths]
 
 
 def run(args, stdin=sys.stdin, stdout=sys.stdout) -> int:
@@ -69,6 +92,7 @@ def run(args, stdin=sys.stdin, stdout=sys.stdout) -> int:
     from ..train.loop import resolve_device
 
     model, tok = load_for_inference(args.checkpoint, resolve_device(args.device), verify=args.verify)
+    images = _image_parts(model, getattr(args, "image", None) or [])
     template = chat_template_for(tok)
     params = sampling_from_args(args, template.stop)
     engine = make_engine(model, tok)
@@ -77,7 +101,8 @@ def run(args, stdin=sys.stdin, stdout=sys.stdout) -> int:
     stdout.write("k3 chat: type a message; Ctrl-C stops a reply; an empty line, Ctrl-D or Ctrl-C here quits\n")
     try:
         while (line := _read_line(stdin, stdout)) is not None:
-            messages.append({"role": "user", "content": line})
+            messages.append({"role": "user", "content": [*images, {"type": "text", "text": line}] if images else line})
+            images = []
             try:
                 text = reply(engine, template, messages, params, stdout)
             except ReplyInterrupted as e:

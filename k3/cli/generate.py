@@ -53,9 +53,10 @@ def load_for_inference(path: str | Path, device, dtype: torch.dtype | None = Non
     """(model, tokenizer) from a checkpoint directory or a run directory holding ``checkpoint/``: the model in
     ``dtype`` (default: ``inference_dtype(device)``); ``verify`` checks the files against the checkpoint's
     SHA256SUMS (k3.checkpoint.manifest) first; ``packed_experts``: the routed experts stay MXFP4-packed
-    (k3.quant.PackedExpertBank; the dtype cast leaves their uint8 buffers alone). The tokenizer is the Kimi
-    release's (``tiktoken.model`` + ``tokenizer_config.json``) when the directory has one, else k3's
-    ``tokenizer.json``."""
+    (k3.quant.PackedExpertBank; the dtype cast leaves their uint8 buffers alone). A multimodal checkpoint (its
+    config.json has a ``vision_config``) loads with its vision tower (k3.vision.K3ForConditionalGeneration). The
+    tokenizer is the Kimi release's (``tiktoken.model`` + ``tokenizer_config.json``) when the directory has one,
+    else k3's ``tokenizer.json``."""
     from ..checkpoint import load_pretrained
     from ..checkpoint.manifest import verify_checksums
     from ..data import load_tokenizer
@@ -73,9 +74,18 @@ def load_for_inference(path: str | Path, device, dtype: torch.dtype | None = Non
                                 "directory or a Kimi release directory")
     if verify:
         verify_checksums(p, ["tiktoken.model", "tokenizer_config.json"] if kimi else ["tokenizer.json"])
-    model = load_pretrained(p, dtype=torch.float32, verify=verify, keep_packed=packed_experts)
+    model = load_pretrained(p, dtype=torch.float32, verify=verify, keep_packed=packed_experts, vision=_has_vision(p))
     model = model.to(device, dtype or inference_dtype(device)).eval()
     return model, load_tokenizer(p)
+
+
+def _has_vision(directory: Path) -> bool:
+    import json
+
+    try:
+        return "vision_config" in json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # load_pretrained says what is wrong with the file
 
 
 def make_engine(model, tok, name: str = "k3", **overrides):

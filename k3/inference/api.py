@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -33,11 +35,27 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 5], got {self.logprobs}")
 
 
+@dataclass(frozen=True, eq=False)
+class PromptImage:
+    """An image in the prompt (SPEC §10): ``prompt_ids[start : start + length]`` are its placeholder tokens, whose
+    embeddings the prefill replaces by the vision tower's features of ``pixels`` [h*w, 3, p, p] with ``grid`` (h, w)
+    patches (``length`` = h*w / 4). ``digest`` names the image's content: the prefix cache hashes it with the tokens,
+    so prompts that differ only in an image share no cached prefix past that image (k3.vision.preprocess makes
+    all of these)."""
+
+    start: int
+    length: int
+    pixels: torch.Tensor
+    grid: tuple[int, int]
+    digest: bytes
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt_ids: tuple[int, ...]
     params: SamplingParams = SamplingParams()
     request_id: str | None = None
+    images: tuple[PromptImage, ...] = ()  # in prompt order; needs a model with a vision tower
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,8 @@ class Engine:
         if any(not 0 <= t < vocab for t in req.prompt_ids):
             bad = next(t for t in req.prompt_ids if not 0 <= t < vocab)
             raise ValueError(f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})")
+        if req.images:
+            self._check_images(req)
         seed = req.params.seed if req.params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         max_tokens = req.params.max_tokens or self.max_context - n
         with self._lock:
@@ -149,6 +151,26 @@ class Engine:
             self.scheduler.add(seq)
         self._wake.set()
         return handle
+
+    def _check_images(self, req: GenerationRequest) -> None:
+        """Images need a vision tower, and each its own run of placeholder tokens of the right length, in order."""
+        if not hasattr(self.model, "encode_images"):
+            raise ValueError("this model has no vision tower: it cannot take images; serve a multimodal checkpoint "
+                             "(K3ForConditionalGeneration) or send text only")
+        placeholder, merge = self.model.media_placeholder_token_id, self.model.vision_config.merge
+        end = 0
+        for k, im in enumerate(req.images):
+            h, w = im.grid
+            if im.length != h * w // merge or im.pixels.shape[0] != h * w:
+                raise ValueError(f"image {k}: {im.length} placeholders and {im.pixels.shape[0]} patches do not fit its "
+                                 f"grid of {h} x {w} patches ({h * w // merge} placeholders, {h * w} patches)")
+            if im.start < end or im.start + im.length > len(req.prompt_ids):
+                raise ValueError(f"image {k}: its placeholders [{im.start}, {im.start + im.length}) overlap the "
+                                 f"previous image or run past the prompt ({len(req.prompt_ids)} tokens)")
+            if any(t != placeholder for t in req.prompt_ids[im.start: im.start + im.length]):
+                raise ValueError(f"image {k}: prompt_ids[{im.start}:{im.start + im.length}] must all be the media "
+                                 f"placeholder token {placeholder}")
+            end = im.start + im.length
 
     def abort(self, rid: str) -> None:
         with self._lock:
@@ -272,5 +294,6 @@ class Engine:
         if seq.finished:
             return
         self.scheduler.finish(seq)
+        self.runner.release(seq.id)
         self.seqs.pop(seq.id, None)
         self.output.finish(seq, reason, error)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .pool import HostPool, PagePool
@@ -23,12 +24,20 @@ from .pool import HostPool, PagePool
 NO_PAGE = -1  # the "page" of a fine block in a model without MLA layers (only the hash matters)
 
 
-def extend_hashes(hashes: list[bytes], token_ids, hash_block: int, salt: bytes = b"") -> list[bytes]:
+def extend_hashes(hashes: list[bytes], token_ids, hash_block: int, salt: bytes = b"",
+                  media: Sequence[tuple[int, int, bytes]] = ()) -> list[bytes]:
     """Append the chain hash of every full fine block of ``token_ids`` not yet in ``hashes`` (in place; returns
-    it): h_i = H(h_{i-1} || salt || tokens of block i). A step hashes only the blocks it completed."""
+    it): h_i = H(h_{i-1} || salt || tokens of block i || media of block i). ``media``: (start, end, digest) of each
+    image whose placeholder tokens are token_ids[start:end]; a block holding some of them hashes the image's digest
+    and where it starts relative to the block, so the image is part of that block's name and, through the chain, of
+    every later one. A step hashes only the blocks it completed."""
     h = hashes[-1] if hashes else b""
     for i in range(len(hashes), len(token_ids) // hash_block):
-        blk = array("q", token_ids[i * hash_block: (i + 1) * hash_block]).tobytes()
+        lo, hi = i * hash_block, (i + 1) * hash_block
+        blk = array("q", token_ids[lo:hi]).tobytes()
+        for start, end, digest in media:
+            if start < hi and end > lo:
+                blk += array("q", (start - lo, end - start)).tobytes() + digest
         h = hashlib.blake2b(h + salt + blk, digest_size=16).digest()
         hashes.append(h)
     return hashes

@@ -5,7 +5,10 @@ Legend: N prefill sequences, T packed prefill tokens, B decode rows, Bb the CUDA
 P max pages per sequence, V vocabulary, K reported alternatives.
 
 - Prefill: the plan's chunks of N sequences run as one packed row (``PrefillMixer``); logits only at the last
-  token of sequences whose prompt is complete.
+  token of sequences whose prompt is complete. A chunk holding image placeholder tokens (a model with a vision
+  tower: ``encode_images``) gets the image's features there instead of the placeholder's embedding; an image's
+  features are computed once, when its first placeholder is prefilled, and kept until its last one is (a chunk
+  boundary or a prefix-cache hit may fall inside an image).
 - Decode: one token per row (``DecodeMixer``: state and latents read and written in place). On CUDA with a
   bf16/fp16 model the forward and the sampler are captured as CUDA graphs per batch-size bucket (1, 2, 4, ...,
   256) over static buffers; a step copies its inputs into those buffers (three host-to-device copies), replays
@@ -64,6 +67,8 @@ class ModelRunner:
     def __init__(self, model, pool: PagePool, max_context: int, max_batch: int, cuda_graphs: bool | None = None,
                  compile: bool | None = None, graph_sizes=GRAPH_SIZES):
         self.model, self.pool = model, pool
+        self.lm = getattr(model, "language_model", model)  # the text model (K3ForConditionalGeneration wraps one)
+        self._image_features: dict[tuple[str, int], torch.Tensor] = {}  # (sequence, image start) -> [length, D]
         self.key = register_pool(pool)
         mc = model.config
         kinds = [mc.layer_kind(i) for i in range(mc.num_hidden_layers)]
@@ -160,10 +165,36 @@ class ModelRunner:
         kda = torch.tensor([it.kda_pages for it in items], dtype=torch.long).view(len(items), -1).to(dev)
         mixer = PrefillMixer(self.pool, self.kda_slot, self.mla_slot, cu.to(dev), starts, lengths, slots, context, kda,
                              positions.to(dev)[None])
-        h = self.model.model(ids, mixer=mixer)  # [1,T,D]
+        embeds = self._embed_with_images(ids, items, cu) if any(it.images for it in items) else None
+        h = self.lm.model(ids, mixer=mixer, inputs_embeds=embeds)  # [1,T,D]
         last = torch.tensor([int(cu[i + 1]) - 1 for i, it in enumerate(items) if it.sample is not None],
                             dtype=torch.long, device=dev)
-        return self.model.lm_head(self.model.model.norm(h[0, last])).float()
+        return self.lm.lm_head(self.lm.model.norm(h[0, last])).float()
+
+    def _embed_with_images(self, ids: torch.Tensor, items: list[PrefillItem], cu: torch.Tensor) -> torch.Tensor:
+        """[1,T,D]: the token embeddings of the packed chunks, with image features at their placeholder tokens."""
+        x = self.lm.model.embed_tokens(ids)
+        for it, off in zip(items, cu.tolist()):
+            end = it.start + len(it.tokens)
+            for im in it.images:
+                key = (it.seq_id, im.start)
+                feats = self._image_features.get(key)
+                if feats is None:
+                    feats = self.model.encode_images(im.pixels.to(self.device), [im.grid])  # [length, D]
+                    if feats.shape[0] != im.length:
+                        raise ValueError(f"an image of {im.grid} patches gives {feats.shape[0]} tokens but its "
+                                         f"request reserved {im.length} placeholders")
+                    self._image_features[key] = feats
+                lo, hi = max(im.start, it.start), min(im.start + im.length, end)
+                x[0, off + lo - it.start: off + hi - it.start] = feats[lo - im.start: hi - im.start].to(x.dtype)
+                if hi == im.start + im.length:  # its last placeholder is done
+                    del self._image_features[key]
+        return x
+
+    def release(self, seq_id: str) -> None:
+        """Forget what is kept for a finished sequence (the features of an image it did not finish prefilling)."""
+        for key in [k for k in self._image_features if k[0] == seq_id]:
+            del self._image_features[key]
 
     def decode_logits(self, items: list[DecodeItem]) -> torch.Tensor:
         """The next-token logits [B,V] fp32 of one decode step (the pool's state advances by the items' tokens)."""
@@ -196,8 +227,8 @@ class ModelRunner:
         ids = torch.where(src >= 0, self._prev_tokens[src.clamp(min=0)], ids)
         mixer = DecodeMixer(self.key, self.kda_slot, self.mla_slot, self.pool.layout.records_per_page, positions,
                             page_table, kda_index)
-        h = self.model.model(ids[:, None], mixer=mixer)
-        return self.model.lm_head(self.model.model.norm(h[:, 0])).float()
+        h = self.lm.model(ids[:, None], mixer=mixer)
+        return self.lm.lm_head(self.lm.model.norm(h[:, 0])).float()
 
     # ---- sampling ---------------------------------------------------------------------------------------------
     def _sampling_tensors(self, items):

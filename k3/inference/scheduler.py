@@ -22,7 +22,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from .api import GenerationRequest
+from .api import GenerationRequest, PromptImage
 from .pool import OutOfPages, PagePool
 from .prefix import PrefixCache, extend_hashes
 
@@ -45,6 +45,7 @@ class PrefillItem:
     mla_pages: list[int]
     kda_pages: list[int]
     sample: SamplingRow | None  # set when the chunk ends the sequence's pending tokens
+    images: tuple[PromptImage, ...] = ()  # the prompt's images with placeholder tokens in this chunk
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,8 @@ class Sequence:
         self.id, self.params, self.seed, self.max_tokens = seq_id, req.params, seed, max_tokens
         self.tokens = list(req.prompt_ids)
         self.prompt_len = len(self.tokens)
+        self.images = req.images
+        self.media = tuple((im.start, im.start + im.length, im.digest) for im in req.images)  # hashed with blocks
         self.arrival, self.long = arrival, long
         self.num_computed = 0
         self.in_flight = 0
@@ -179,8 +182,10 @@ class Scheduler:
         if n <= 0 or not self._grow(seq, n, out):
             return budget, long_budget
         done = n == seq.pending
-        out.prefill.append(PrefillItem(seq.id, seq.tokens[seq.num_computed: seq.num_computed + n], seq.num_computed,
-                                       list(seq.mla_pages), list(seq.kda_pages), seq.sampling() if done else None))
+        lo, hi = seq.num_computed, seq.num_computed + n
+        images = tuple(im for im in seq.images if im.start < hi and im.start + im.length > lo)
+        out.prefill.append(PrefillItem(seq.id, seq.tokens[lo:hi], lo, list(seq.mla_pages), list(seq.kda_pages),
+                                       seq.sampling() if done else None, images))
         return budget - n, long_budget - n if seq.long else long_budget
 
     def _next_snapshot(self, seq: Sequence) -> int:
@@ -232,7 +237,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence) -> bool:
         """KDA pages (zeroed, or the prefix hit's checkpoint) and the hit's MLA pages; False if they do not fit."""
-        extend_hashes(seq.hashes, seq.tokens, self.hash_block)
+        extend_hashes(seq.hashes, seq.tokens, self.hash_block, media=seq.media)
         hit = self.prefix.lookup(seq.hashes, seq.pending - 1) if self.prefix is not None else None
         if hit is not None and hit.tokens:
             pinned = [x.page for x in hit.blocks + hit.checkpoint if x.page is not None and x.page >= 0]
@@ -285,7 +290,7 @@ class Scheduler:
             return
         full = seq.num_computed // self.hash_block
         if full > seq.published:
-            extend_hashes(seq.hashes, seq.tokens[: full * self.hash_block], self.hash_block)
+            extend_hashes(seq.hashes, seq.tokens[: full * self.hash_block], self.hash_block, media=seq.media)
             self.prefix.insert_blocks(seq.hashes[:full], seq.mla_pages, seq.published)
             seq.published = full
         if self.L.n_kda and seq.num_computed % self.hash_block == 0 and seq.num_computed > 0 and (

@@ -52,12 +52,15 @@ class K3Model(nn.Module):
             self.output_attn_res_proj, self.output_attn_res_norm = q.proj, q.norm
         self.gradient_checkpointing = False
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None, mixer=None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None, mixer=None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B,T] -> pre-final-norm hidden [B,T,D] (the final AttnRes mix). ``mixer``: where the token
         mixers' state and kernels come from (``DecoderLayer.forward``): k3.inference's paged prefill / decode,
-        k3.distributed's context parallelism; None for a plain forward."""
+        k3.distributed's context parallelism; None for a plain forward. ``inputs_embeds`` [B,T,D]: the input
+        embeddings to use instead of looking input_ids up (image features spliced in at placeholders, k3.vision)."""
         c = self.config
-        stream = DepthStream(self.embed_tokens(input_ids), c.attn_res,
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        stream = DepthStream(x, c.attn_res,
                              DepthStream.sublayer_block_size(c.attn_res, c.attn_res_block_size), c.rms_norm_eps)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training and mixer is None:
@@ -135,7 +138,8 @@ class K3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, mtp_weight: float = 0.3, mixer=None,
-                return_logits: bool = True, loss_chunk: int = 4096) -> CausalLMOutput:
+                return_logits: bool = True, loss_chunk: int = 4096,
+                inputs_embeds: torch.Tensor | None = None) -> CausalLMOutput:
         """Returns a ``CausalLMOutput`` (``out["logits"]`` or ``out.logits`` [B,T,V]) and, with ``labels`` (same
         layout as input_ids, shifted inside; -100 = ignore), "loss" = next-token CE (+ mtp_weight * "mtp_loss" when
         the config has MTP layers) and "lm_loss".
@@ -143,7 +147,10 @@ class K3ForCausalLM(nn.Module):
 
         ``return_logits=False`` (training): the losses only, computed ``loss_chunk`` tokens at a time with the head
         recomputed in the backward, so no [B,T,V] logits (nor their fp32 copy and gradient) are ever held whole;
-        the loss and every gradient equal the unchunked ones up to float summation order."""
+        the loss and every gradient equal the unchunked ones up to float summation order.
+
+        ``inputs_embeds`` [B,T,D]: the trunk's input instead of embedding input_ids (which still name the tokens
+        for MTP's next-token inputs)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B,T]; got shape {tuple(input_ids.shape)}")
         if cu_seqlens is not None and input_ids.shape[0] != 1:
@@ -152,7 +159,7 @@ class K3ForCausalLM(nn.Module):
             raise ValueError("return_logits=False returns only losses: pass labels")
         if loss_chunk < 1:
             raise ValueError(f"loss_chunk must be >= 1; got {loss_chunk}")
-        h = self.model(input_ids, cu_seqlens, mixer)
+        h = self.model(input_ids, cu_seqlens, mixer, inputs_embeds)
         normed = self.model.norm(h)
         out = CausalLMOutput(logits=self.lm_head(normed)) if return_logits else CausalLMOutput()
         if labels is None:

@@ -2,7 +2,8 @@
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``"stream": true`` as Server-Sent Events ending in ``data: [DONE]``), ``GET /health``. One choice per request
-(``n`` = 1). Every refused request is HTTP 400 with an OpenAI error body and the server keeps serving.
+(``n`` = 1). Chat messages may hold ``image_url`` parts (``data:`` URLs) when the engine's model has a vision tower
+(k3.serve.images). Every refused request is HTTP 400 with an OpenAI error body and the server keeps serving.
 
 From the engine the app uses: ``submit(GenerationRequest) -> handle`` (iterate for TokenEvents then one
 FinishEvent; ``handle.cancel()``), ``max_context``, ``model_name`` and ``tokenizer`` (to encode prompts and to spell
@@ -23,8 +24,10 @@ from starlette.exceptions import HTTPException
 
 from ..inference.api import GenerationRequest, SamplingParams, TokenEvent
 from ..inference.engine import EngineFailed
+from ..vision.preprocess import ImageError
 from .chat import ChatError, chat_template_for
 from .format import DONE, ChatFormat, CompletionFormat, Formatter, sse
+from .images import NoVisionTower, chat_prompt
 from .protocol import APIError, ChatRequest, CompletionRequest, error_body, validation_message
 from .stream import EventStream, collect, events
 
@@ -83,9 +86,10 @@ def _params(req: CompletionRequest | ChatRequest, max_tokens: int | None, stop: 
         raise APIError(str(e)) from None
 
 
-def _submit(engine: Any, ids: list[int], params: SamplingParams, request_id: str) -> Any:
+def _submit(engine: Any, ids: list[int], params: SamplingParams, request_id: str, images: tuple = ()) -> Any:
     try:
-        return engine.submit(GenerationRequest(prompt_ids=tuple(ids), params=params, request_id=request_id))
+        return engine.submit(GenerationRequest(prompt_ids=tuple(ids), params=params, request_id=request_id,
+                                                images=images))
     except EngineFailed as e:
         raise APIError(str(e), None, "engine_failed", status=503, type="server_error") from None
     except ValueError as e:  # the engine refuses what it cannot run; say why
@@ -212,12 +216,19 @@ def create_app(engine: Any, chat_template: Any = None) -> FastAPI:
         _check_common(engine, req)
         if req.top_logprobs and not req.logprobs:
             raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
-        try:
-            prompt = await run_in_threadpool(template.prompt, tokenizer, [m.as_dict() for m in req.messages],
-                                             req.tool_specs(), req.tool_choice_value(), req.reasoning_effort)
+        try:  # images are decoded and checked here, off the event loop
+            ids, parser, images = await run_in_threadpool(chat_prompt, engine, template,
+                                                          [m.as_dict() for m in req.messages], req.tool_specs(),
+                                                          req.tool_choice_value(), req.reasoning_effort)
         except ChatError as e:  # the format refused the messages or tools: say why
             raise APIError(str(e), e.param) from None
-        ids = _check_ids(tokenizer, prompt.ids)
+        except ImageError as e:  # corrupt, empty, zero-size or too large, or a URL k3 will not fetch
+            raise APIError(str(e), e.param or "messages", "invalid_image") from None
+        except NoVisionTower as e:
+            raise APIError(str(e), "messages", "unsupported_content") from None
+        except ValueError as e:  # e.g. images that the format left no place for
+            raise APIError(str(e), "messages") from None
+        ids = _check_ids(tokenizer, ids)
         if not ids:
             raise APIError("the prompt is empty; send at least one token", "messages")
         max_tokens = req.max_completion_tokens or req.max_tokens  # None: until EOS, a stop or the context limit
@@ -225,8 +236,8 @@ def create_app(engine: Any, chat_template: Any = None) -> FastAPI:
         stops = req.stop_list() + [s for s in template.stop if s not in req.stop_list()]
         params = _params(req, max_tokens, stops, req.top_logprobs or 0)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        fmt = ChatFormat(engine.model_name, tokenizer, bool(req.logprobs), include_usage, parser=prompt.parser)
-        return await _respond(fmt, _submit(engine, ids, params, fmt.id), request, bool(req.stream))
+        fmt = ChatFormat(engine.model_name, tokenizer, bool(req.logprobs), include_usage, parser=parser)
+        return await _respond(fmt, _submit(engine, ids, params, fmt.id, images), request, bool(req.stream))
 
     return app
 

@@ -3,7 +3,8 @@
 Types are strict (``"max_tokens": "5"`` is an error, not 5); unknown fields are ignored, as OpenAI's own API
 does with fields it does not know; fields whose non-default values this server cannot honour (``n`` > 1,
 ``echo``, ``best_of``, penalties, ``response_format``...) are rejected with a message naming them. Chat takes
-OpenAI's ``tools`` / ``tool_choice``, assistant ``tool_calls`` and ``role: "tool"`` messages. ``top_k`` is an
+OpenAI's ``tools`` / ``tool_choice``, assistant ``tool_calls`` and ``role: "tool"`` messages, and ``image_url`` content
+parts (the image as a ``data:`` URL; k3.vision.encode_chat decodes and checks it). ``top_k`` is an
 extension (0 or -1 = off). Text must be valid Unicode: a lone UTF-16 surrogate (``"\ud800"``, which JSON can
 spell but no encoding can carry) is refused with the field named; ``seed`` must fit the sampler's 64-bit
 generator. Every error is HTTP 400 with the body
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
 from pydantic_core import PydanticCustomError
 
 __all__ = ["APIError", "CompletionRequest", "ChatRequest", "ChatMessage", "error_body", "validation_message"]
@@ -40,7 +41,7 @@ def error_body(message: str, param: str | None = None, code: str | None = None,
 
 
 _EXPECTED = {"prompt": "a string or a list of token ids", "stop": "a string or a list of strings",
-             "content": "a string or a list of text parts"}
+             "content": "a string or a list of text and image_url parts"}
 
 
 def _short(value: Any) -> str:
@@ -145,6 +146,26 @@ class TextPart(_Body):
     text: Text
 
 
+class ImageURL(_Body):
+    url: str  # a data: URL (k3 fetches nothing: http(s) URLs are refused when the prompt is built)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; k3 always sees the image at native resolution
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+def _part_kind(part: Any) -> str | None:
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return {"text": "part(text)", "image_url": "part(image_url)"}.get(kind)  # tags in () leave error paths
+
+
+ContentPart = Annotated[Annotated[TextPart, Tag("part(text)")] | Annotated[ImagePart, Tag("part(image_url)")],
+                        Discriminator(_part_kind, custom_error_type="invalid_part",
+                                      custom_error_message="a content part's type must be 'text' or 'image_url'")]
+
+
 class FunctionCall(_Body):
     name: str
     arguments: str  # JSON, as OpenAI sends it
@@ -175,7 +196,7 @@ class NamedToolChoice(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None
+    content: Text | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant
     tool_call_id: str | None = None  # tool
@@ -183,12 +204,15 @@ class ChatMessage(_Body):
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "".join(p.text for p in self.content if isinstance(p, TextPart))
         return self.content or ""
 
     def as_dict(self) -> dict:
-        """The message as the chat formats take it (content as plain text)."""
-        d = {"role": self.role, "content": self.text()}
+        """The message as the chat formats take it: content as plain text, or as its parts when it holds images
+        (k3.vision.encode_chat renders those)."""
+        images = isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content)
+        d = {"role": self.role,
+             "content": [p.model_dump(exclude_none=True) for p in self.content] if images else self.text()}
         for key in ("name", "tool_call_id", "reasoning_content"):
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)

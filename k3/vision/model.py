@@ -1,0 +1,171 @@
+"""K3ForConditionalGeneration: the language model with the vision tower and the projector (SPEC §10).
+
+Legend: B batch, T tokens, D the LM's width, n image tokens (merged patches), M merge area, Dv the tower's width.
+
+Image tokens replace the media placeholder token in the text stream: each image of h x w patches gives h*w/M tokens
+(``tokens_per_image``), the projector maps each merged 2 x 2 neighbourhood [M, Dv] to one [D] embedding, and those
+embeddings take the places of the prompt's placeholder tokens, image after image (``embed``). The placeholder
+positions carry no next-token loss (``labels`` there are ignored).
+
+Module names are the release's: ``language_model.`` (a K3ForCausalLM), ``vision_tower.``, ``mm_projector.``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..config import K3Config
+from ..model.transformer import CausalLMOutput, K3ForCausalLM
+from .config import DEFAULT_MEDIA_PLACEHOLDER_ID, VisionConfig, vision_of
+from .tower import MoonViT
+
+__all__ = ["K3ForConditionalGeneration", "Projector", "tokens_per_image", "count_vision_parameters"]
+
+
+def tokens_per_image(grid: tuple[int, int], cfg: VisionConfig) -> int:
+    """How many placeholder tokens an image of ``grid`` = (h, w) patches takes in the prompt."""
+    return grid[0] * grid[1] // cfg.merge
+
+
+def count_vision_parameters(cfg: VisionConfig, text_hidden: int) -> dict[str, int]:
+    """{"vision_tower": n, "mm_projector": n}: built on the meta device (no memory). MoonViT-V2 as released:
+    401,214,464 + 46,144,512 into hidden 7168."""
+    with torch.device("meta"):
+        tower, projector = MoonViT(cfg), Projector(cfg, text_hidden)
+    return {"vision_tower": sum(p.numel() for p in tower.parameters()),
+            "mm_projector": sum(p.numel() for p in projector.parameters())}
+
+
+class Projector(nn.Module):
+    """Merged patches [n, M, Dv] -> [n, D]. V2 (``patchmergerv2``): proj.0 (no bias) -> GELU -> proj.2 (no bias) ->
+    post_norm (RMSNorm). K2.5 (``patchmerger``): pre_norm (LayerNorm per patch) -> proj.0 -> GELU -> proj.2."""
+
+    def __init__(self, cfg: VisionConfig, text_hidden: int):
+        super().__init__()
+        width = cfg.merge * cfg.vt_hidden_size
+        self.v2 = cfg.mm_projector_type == "patchmergerv2"
+        if not self.v2:
+            self.pre_norm = nn.LayerNorm(cfg.vt_hidden_size, eps=cfg.projector_ln_eps)
+        self.proj = nn.Sequential(nn.Linear(width, width, bias=not self.v2), nn.GELU(),
+                                  nn.Linear(width, text_hidden, bias=not self.v2))
+        if self.v2:
+            self.post_norm = nn.RMSNorm(text_hidden, eps=cfg.projector_ln_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.v2:
+            x = self.pre_norm(x)
+        x = self.proj(x.flatten(1))
+        return self.post_norm(x) if self.v2 else x
+
+
+@torch.no_grad()
+def _init_vision(module: nn.Module, num_layers: int, std: float = 0.02) -> None:
+    """N(0, std) for matrices and the position grid, output projections (wo, fc1, proj.2) scaled by 1/sqrt(2L),
+    zero biases, norms at 1."""
+    out_std = std / (2 * num_layers) ** 0.5
+    for name, m in module.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(m, (nn.Linear, nn.Conv2d)):
+            nn.init.normal_(m.weight, std=out_std if leaf in ("wo", "fc1", "2") else std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+            nn.init.ones_(m.weight)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+        elif hasattr(m, "weight") and leaf == "pos_emb":
+            nn.init.normal_(m.weight, std=std)
+
+
+class K3ForConditionalGeneration(nn.Module):
+    """``config``: the text model's K3Config; its ``top_level`` (the multimodal wrapper of config.json) holds
+    ``vision_config`` and ``media_placeholder_token_id``. ``vision`` / ``media_placeholder_token_id`` set them
+    (and are written into ``config.top_level``, so that ``save_pretrained`` writes the release's wrapper)."""
+
+    def __init__(self, config: K3Config, vision: VisionConfig | None = None,
+                 media_placeholder_token_id: int | None = None):
+        super().__init__()
+        vision = vision or vision_of(config.top_level)
+        if vision is None:
+            raise ValueError("K3ForConditionalGeneration needs a vision config: pass vision=VisionConfig.preset(...) "
+                             "or a config whose top_level (the config.json wrapper) has vision_config")
+        if vision.text_hidden_size not in (None, config.hidden_size):
+            raise ValueError(f"vision_config.text_hidden_size = {vision.text_hidden_size} but the language model's "
+                             f"hidden_size is {config.hidden_size}: the projector must write the LM's width")
+        top = dict(config.top_level or {})
+        top["vision_config"] = vision.to_hf()
+        if media_placeholder_token_id is not None:
+            top["media_placeholder_token_id"] = media_placeholder_token_id
+        # transformers' Kimi_K25Config names it image_token_id
+        top.setdefault("media_placeholder_token_id", top.get("image_token_id", DEFAULT_MEDIA_PLACEHOLDER_ID))
+        self.media_placeholder_token_id = int(top["media_placeholder_token_id"])
+        if not 0 <= self.media_placeholder_token_id < config.vocab_size:
+            raise ValueError(f"media_placeholder_token_id {self.media_placeholder_token_id} is outside the vocabulary "
+                             f"[0, {config.vocab_size}); give the id of the tokenizer's image placeholder token")
+        self.config = config.replace(top_level=top)
+        self.vision_config = vision
+        self.language_model = K3ForCausalLM(self.config)
+        self.vision_tower = MoonViT(vision)
+        self.mm_projector = Projector(vision, config.hidden_size)
+        _init_vision(self.vision_tower, vision.vt_num_hidden_layers)
+        _init_vision(self.mm_projector, vision.vt_num_hidden_layers)
+
+    # ---- images -----------------------------------------------------------------------------------------------
+    def encode_images(self, pixels: torch.Tensor, grids: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """Packed images (pixels [patches,3,p,p], ``grids`` [(h, w)]) -> their tokens' embeddings [n, D], image after
+        image, each image's tokens row-major over its merged grid."""
+        return self.mm_projector(self.vision_tower(pixels, grids))
+
+    def embed(self, input_ids: torch.Tensor, pixels: torch.Tensor | None = None,
+              grids: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
+        """input_ids [B,T] -> [B,T,D]: token embeddings with the images' embeddings at the placeholder positions
+        (in reading order, row by row of the batch)."""
+        x = self.language_model.model.embed_tokens(input_ids)
+        mask = input_ids == self.media_placeholder_token_id
+        n_slots = int(mask.sum())
+        n_image = sum(tokens_per_image(g, self.vision_config) for g in grids)
+        if n_slots != n_image:
+            raise ValueError(f"the input has {n_slots} image placeholder tokens (id {self.media_placeholder_token_id}) "
+                             f"but the images {list(grids)} give {n_image} tokens: each image needs h*w/"
+                             f"{self.vision_config.merge} placeholders (k3.vision.encode_chat builds such prompts)")
+        if not n_image:
+            return x
+        features = self.encode_images(pixels, grids).to(x.dtype)
+        return x.masked_scatter(mask[..., None], features)
+
+    # ---- the model --------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, pixels: torch.Tensor | None = None,
+                grids: Sequence[tuple[int, int]] = (), labels: torch.Tensor | None = None, **kwargs) -> CausalLMOutput:
+        """As ``K3ForCausalLM.forward`` (``cu_seqlens``, ``mtp_weight``, ``return_logits``, ...), with the images of
+        the input: ``pixels`` [patches,3,p,p] and ``grids`` [(h, w)] in placeholder order. Labels at placeholder
+        positions are ignored."""
+        if labels is not None:
+            labels = labels.masked_fill(input_ids == self.media_placeholder_token_id, -100)
+        return self.language_model(input_ids, labels=labels, inputs_embeds=self.embed(input_ids, pixels, grids),
+                                   **kwargs)
+
+    def fuse_projections(self) -> "K3ForConditionalGeneration":
+        """For inference: the language model's fused projections (``K3ForCausalLM.fuse_projections``)."""
+        self.language_model.fuse_projections()
+        return self
+
+    def set_kda_backend(self, backend: str) -> None:
+        self.language_model.set_kda_backend(backend)
+
+    def save_pretrained(self, directory, **kwargs) -> None:
+        """config.json (the release's multimodal wrapper) + safetensors: ``language_model.`` beside ``vision_tower.``
+        and ``mm_projector.`` (k3.checkpoint)."""
+        from ..checkpoint import save_pretrained
+
+        save_pretrained(self, directory, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, directory, **kwargs) -> "K3ForConditionalGeneration":
+        """Load a multimodal checkpoint directory (the K3 release, K2.5's as transformers writes it, or k3's).
+        Keyword arguments as ``k3.checkpoint.load_pretrained``."""
+        from ..checkpoint import load_pretrained
+
+        return load_pretrained(directory, vision=True, **kwargs)

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 
 from .chat import OutputEvent
-from .xtml_reply import _partial_suffix
+from .xtml_reply import next_marker
 
 __all__ = ["K2_TOOL_TOKENS", "K2Output", "parse_k2_section"]
 
@@ -77,16 +77,10 @@ class K2Output:
         self.buf += text
         out: list[OutputEvent] = []
         while True:
-            markers = SECTION_END if self.in_section else SECTION_BEGIN
-            hits = [(self.buf.find(m), m) for m in markers if m in self.buf]
-            if not hits:
-                keep = _partial_suffix(self.buf, markers)
-                out += self._emit(self.buf[:len(self.buf) - keep])
-                self.buf = self.buf[len(self.buf) - keep:]
+            before, marker, self.buf = next_marker(self.buf, SECTION_END if self.in_section else SECTION_BEGIN)
+            out += self._emit(before)
+            if marker is None:
                 return out
-            at, marker = min(hits)
-            out += self._emit(self.buf[:at])
-            self.buf = self.buf[at + len(marker):]
             if self.in_section:
                 out += self._calls(self._section, self._opened_with + self._section + marker)
                 self.in_section = False

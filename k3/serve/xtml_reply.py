@@ -17,7 +17,7 @@ from typing import Any
 from .chat import OutputEvent
 from .xtml import _close, _open
 
-__all__ = ["K3Output", "parse_tools_section"]
+__all__ = ["K3Output", "parse_tools_section", "next_marker"]
 
 
 def _unescape_attr(value: str) -> str:
@@ -99,16 +99,10 @@ class K3Output:
         self.buf += text
         out: list[OutputEvent] = []
         while True:
-            markers = self._markers()
-            hits = [(self.buf.find(m), m) for m in markers if m in self.buf]
-            if not hits:
-                keep = _partial_suffix(self.buf, markers)
-                out += self._emit(self.buf[:len(self.buf) - keep])
-                self.buf = self.buf[len(self.buf) - keep:]
+            before, marker, self.buf = next_marker(self.buf, self._markers())
+            out += self._emit(before)
+            if marker is None:
                 return out
-            at, marker = min(hits)
-            out += self._emit(self.buf[:at])
-            self.buf = self.buf[at + len(marker):]
             out += self._transition(marker)
 
     def _emit(self, text: str) -> list[OutputEvent]:
@@ -160,6 +154,17 @@ class K3Output:
         out = self._emit(rest)
         self.state = "done"
         return out
+
+
+def next_marker(buf: str, markers: tuple[str, ...]) -> tuple[str, str | None, str]:
+    """(the text before the first of ``markers`` in ``buf``, that marker, the text after it); with none there,
+    (the text that can no longer become part of a marker, None, the suffix held back because it still could)."""
+    hits = [(buf.find(m), m) for m in markers if m in buf]
+    if not hits:
+        keep = _partial_suffix(buf, markers)
+        return buf[:len(buf) - keep], None, buf[len(buf) - keep:]
+    at, marker = min(hits)
+    return buf[:at], marker, buf[at + len(marker):]
 
 
 def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:

@@ -94,7 +94,8 @@ def run(args) -> int:
         name = args.model_name or Path(args.checkpoint).resolve().name
     else:
         if not args.random_init:
-            raise ValueError("--preset serves random weights only with --random-init (use --checkpoint for a trained model)")
+            raise ValueError("--preset serves random weights only with --random-init "
+                             "(use --checkpoint for a trained model)")
         model, tok = _random_model(args.preset, device, dtype)
         if args.packed_experts:
             pack_experts(model)

@@ -44,7 +44,7 @@ class EngineConfig:
     dtype: torch.dtype | None = None  # cache dtype; default: the model's
     cuda_graphs: bool | None = None  # default: on for CUDA with a bf16 model
     compile: bool | None = None  # torch.compile the decode forward; default: with CUDA graphs
-    fuse_projections: bool = True  # each layer's projections of one input as one matmul (K3ForCausalLM.fuse_projections)
+    fuse_projections: bool = True  # one matmul per layer input (K3ForCausalLM.fuse_projections)
 
     def __post_init__(self):
         for name in ("num_pages", "page_tokens", "hash_block", "checkpoint_every", "prefill_chunk", "step_tokens",

@@ -116,7 +116,7 @@ class PagePool:
         self.free: list[int] = list(range(num_pages - 2, -1, -1))
         self.cached: set[int] = set()  # pages the prefix cache points into
         self.lru: OrderedDict[int, None] = OrderedDict()  # cached pages with no holder, oldest first
-        self.on_evict = None  # callback(page) -> None, before the page is reused: the prefix cache forgets (or saves) it
+        self.on_evict = None  # callback(page), before the page is reused: the prefix cache forgets (or saves) it
 
     @property
     def usable(self) -> int:

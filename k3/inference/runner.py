@@ -48,8 +48,9 @@ class ModelRunner:
         self.model, self.pool = model, pool
         self.key = register_pool(pool)
         mc = model.config
-        self.kda_slot = {i: s for s, i in enumerate(i for i in range(mc.num_hidden_layers) if mc.layer_kind(i) == "kda")}
-        self.mla_slot = {i: s for s, i in enumerate(i for i in range(mc.num_hidden_layers) if mc.layer_kind(i) == "mla")}
+        kinds = [mc.layer_kind(i) for i in range(mc.num_hidden_layers)]
+        self.kda_slot = {i: s for s, i in enumerate(i for i, k in enumerate(kinds) if k == "kda")}
+        self.mla_slot = {i: s for s, i in enumerate(i for i, k in enumerate(kinds) if k == "mla")}
         self.device = pool.data.device
         L = pool.layout
         self.max_pages = max(1, L.mla_pages(max_context + 1))
@@ -57,8 +58,8 @@ class ModelRunner:
         capable = self.device.type == "cuda" and dtype in fused_dtypes()
         if cuda_graphs and not capable:
             raise ValueError(f"CUDA graphs need a CUDA device and a {' or '.join(map(str, fused_dtypes()))} model "
-                             f"(the experts' grouped matmul must not wait for the host); got {self.device} and {dtype}: "
-                             "pass cuda_graphs=False or load the model in bf16")
+                             f"(the experts' grouped matmul must not wait for the host); got {self.device} and "
+                             f"{dtype}: pass cuda_graphs=False or load the model in bf16")
         self.use_graphs = capable if cuda_graphs is None else cuda_graphs
         self.compile = self.use_graphs if compile is None else compile
         self.sizes = sorted({s for s in graph_sizes if s < max_batch} | {max_batch})
@@ -131,9 +132,10 @@ class ModelRunner:
         table = torch.zeros(B, max(cols, 1), dtype=torch.int32)
         for b, it in enumerate(items):
             table[b, : len(it.mla_pages)] = torch.tensor(it.mla_pages, dtype=torch.int32)
+        kda_index = torch.tensor([it.kda_pages for it in items], dtype=torch.long).view(B, -1)
         return self._forward(torch.tensor([it.token for it in items], device=dev),
                              torch.tensor([it.position for it in items], device=dev, dtype=torch.int32),
-                             table.to(dev), torch.tensor([it.kda_pages for it in items], dtype=torch.long).view(B, -1).to(dev))
+                             table.to(dev), kda_index.to(dev))
 
     def _decode_logits(self, ids, positions, page_table, kda_index) -> torch.Tensor:
         """ids [B], positions [B] int32, page_table [B,P] int32, kda_index [B,kda_pages] long -> logits [B,V] fp32."""

@@ -68,6 +68,10 @@ def moe_decode_kernels(z, weights, idx, w1, w3, w2, situ: bool, b1: float, b2: f
     N, L = z.shape
     k = idx.shape[1]
     E, I, _ = w1.shape
+    # the kernels index each expert's matrix as dense rows ([I,L] for w1/w3, [L,I] for w2), w1 and w3 by one stride
+    w1, w3, w2 = (w if w.stride()[1:] == (w.shape[2], 1) else w.contiguous() for w in (w1, w3, w2))
+    if w3.stride(0) != w1.stride(0):
+        w1, w3 = w1.contiguous(), w3.contiguous()
     dtype = w1.dtype if w1.dtype in (torch.bfloat16, torch.float16) else z.dtype
     h = torch.empty(N * k, I, dtype=dtype, device=z.device)
     u = torch.empty(N, L, dtype=torch.float32, device=z.device)

@@ -1,22 +1,22 @@
-"""QAT (``qat="mxfp4"``) under data parallelism (FSDP2), expert parallelism (MoonEP) and context parallelism (KCP)
-against one process: 2 gloo ranks, the tiny model with its MTP layer, packed documents; the logged losses and every
-parameter gradient after ``reduce_grads`` (gathered to full, experts in their true order) equal the single-process
-QAT ones on the same global batch (stated tolerance: RMS ratio 1e-5, as the unquantised checks). The fake quant sees
-the same weights (gathered by FSDP, or fetched by MoonEP: MXFP4 blocks lie along each expert row) and the same
-activation rows (MXFP8 blocks lie along features), so splitting the batch, the experts or the sequence changes
-nothing but summation order."""
+"""QAT (``qat="mxfp4"``) under data parallelism (FSDP2), expert parallelism (MoonEP) and context parallelism (KCP),
+each through k3.distributed.plan.ParallelPlan on 2 gloo ranks, against one process: the tiny model with its MTP
+layer, packed documents; the logged losses, every parameter gradient after ``reduce_grads`` (gathered to full,
+experts in their true order) and the global gradient norm equal the single-process QAT ones on the same global batch
+(stated tolerance: RMS ratio 1e-5, as the unquantised checks in test_plan_layouts). The fake quant sees the same
+weights (gathered by FSDP, or fetched by MoonEP: MXFP4 blocks lie along each expert row) and the same activation rows
+(MXFP8 blocks lie along features), so splitting the batch, the experts or the sequence changes nothing but
+summation order."""
 
 import copy
-import os
 
 import pytest
 import torch
 
-from .gloo import needs_backend, spawn, test_device
-from .test_mesh_ep import TOL, compare_gradients, full, global_batch
-from tests.conftest import assert_close
+from .gloo import needs_backend, spawn
+from .test_plan_layouts import VOCAB, compare_gradients, plan_in_process, segments_batch, slices_batch
 
-VOCAB = 128
+# (dp, ep, cp) on 2 ranks and the global batch each is checked on
+LAYOUTS = {"dp2": ((2, 1, 1), slices_batch), "ep2": ((1, 2, 1), slices_batch), "cp2": ((1, 1, 2), segments_batch)}
 
 
 def qat_reference(batch: dict, mtp_weight: float):
@@ -32,44 +32,17 @@ def qat_reference(batch: dict, mtp_weight: float):
 
 
 def _check(rank, world):
-    from k3.distributed.data_parallel import DataParallel
     from k3.distributed.expert_parallel import ExpertParallelBank
-    from k3.distributed.mesh import DataContextParallelTraining, DataExpertParallelTraining
 
-    os.environ["WORLD_SIZE"] = str(world)  # init_from_env reads it; the process group is already up
-    batch, w = global_batch(world), 0.3
-    model, ref, ref_grads = qat_reference(batch, w)
-
-    dp = DataParallel(rank, world, test_device(rank))  # --dp 2
-    m = copy.deepcopy(model)
-    dp.shard(m)
-    loss, lm, mtp, _ = dp.loss(m, batch, w, test_device(rank))
-    loss.backward()
-    dp.reduce_grads(m)
-    assert lm == pytest.approx(ref["lm_loss"].item(), rel=1e-6)
-    assert mtp == pytest.approx(ref["mtp_loss"].item(), rel=1e-6)
-    grads = {n: full(p.grad) for n, p in m.named_parameters() if p.grad is not None}
-    assert set(grads) == set(ref_grads)
-    for n, g in grads.items():
-        assert_close(f"dp rank {rank} grad {n}", ref_grads[n], g, TOL)
-
-    ep = DataExpertParallelTraining(1, world)  # --ep 2
-    m = copy.deepcopy(model)
-    ep.shard(m)
-    banks = [b for b in m.modules() if isinstance(b, ExpertParallelBank)]
-    assert banks and all(b.qat == "mxfp4" for b in banks)
-    compare_gradients(ep, m, batch, w, ref, ref_grads, rank, dp=1, ep=world, tag=" qat")
-
-    cp = DataContextParallelTraining(1, world)  # --cp 2: each rank one half of the sequence
-    m = copy.deepcopy(model)
-    cp.shard(m)
-    loss, lm, mtp, _ = cp.loss(m, batch, w, test_device(rank))
-    loss.backward()
-    cp.reduce_grads(m)
-    assert lm == pytest.approx(ref["lm_loss"].item(), rel=1e-6)
-    for n, p in m.named_parameters():
-        if p.grad is not None:
-            assert_close(f"cp rank {rank} grad {n}", ref_grads[n], full(p.grad), TOL)
+    for name, ((dp, ep, cp), make_batch) in LAYOUTS.items():
+        batch, w = make_batch(), 0.3
+        model, ref, ref_grads = qat_reference(batch, w)
+        par = plan_in_process(rank, world, dp, ep, cp)
+        par.shard(model)
+        if ep > 1:
+            banks = [b for b in model.modules() if isinstance(b, ExpertParallelBank)]
+            assert banks and all(b.qat == "mxfp4" for b in banks)
+        compare_gradients(par, model, batch, w, ref, ref_grads, rank, tag=f" {name} qat")
 
 
 @pytest.mark.distributed

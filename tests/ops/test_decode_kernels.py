@@ -77,6 +77,12 @@ def test_fused_kda_decode_matches_reference_in_place(gate):
     from k3.ops.kda.decode import _kda_decode_fused
 
     a, b = _kda_inputs(), _kda_inputs()
+    B, H, K = b["f"].shape
+    # as the engine passes them: column slices of one fused projection's output rows (row stride != H*K, H)
+    wide = torch.randn(B, H * K + H + 5, device=DEV)
+    wide[:, 2: 2 + H * K], wide[:, 2 + H * K: 2 + H * K + H] = b["f"].reshape(B, -1), b["b"]
+    b["f"], b["b"] = wide[:, 2: 2 + H * K].view(B, H, K), wide[:, 2 + H * K: 2 + H * K + H]
+    assert not b["f"].is_contiguous() and not b["b"].is_contiguous()
     before = a["state"].clone()
     ref = kda_decode_reference(**a, gate_kind=gate)
     out = _kda_decode_fused(**b, gate_kind=gate, lower_bound=-5.0, scale=None)

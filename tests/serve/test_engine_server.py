@@ -2,60 +2,41 @@
 a short request is not held back by a long prompt, and an engine failure ends every request, never a hang."""
 
 import json
-import socket
-import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 
 import openai
 import pytest
 import torch
-import uvicorn
 
 from k3 import K3Config, K3ForCausalLM
 from k3.data.tokenizer import train_tokenizer
 from k3.inference.engine import Engine, EngineConfig
 from k3.serve import create_app
 
+from .fake_engine import live_server
+
 MODEL = "tiny"
-
-
-def _serve(engine):
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
-    return server, thread, sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 @pytest.fixture
 def served():
     """start(config) -> (engine, base url); everything is stopped after the test."""
-    stops = []
+    with ExitStack() as stack:
+        def start(config):
+            tok = train_tokenizer(["def f(x):\n    return x\n", "import os\n"] * 30, 300)
+            torch.manual_seed(0)
+            cfg = K3Config.preset("tiny").replace(vocab_size=tok.get_vocab_size(), num_nextn_predict_layers=0)
+            engine = Engine(K3ForCausalLM(cfg).eval(), tok, config, model_name=MODEL)
+            engine.start()
+            stack.callback(engine.stop)  # after the server (callbacks run last-in first-out)
+            url = stack.enter_context(live_server(create_app(engine)))
+            return engine, url.removesuffix("/v1")
 
-    def start(config):
-        tok = train_tokenizer(["def f(x):\n    return x\n", "import os\n"] * 30, 300)
-        torch.manual_seed(0)
-        cfg = K3Config.preset("tiny").replace(vocab_size=tok.get_vocab_size(), num_nextn_predict_layers=0)
-        engine = Engine(K3ForCausalLM(cfg).eval(), tok, config, model_name=MODEL)
-        engine.start()
-        server, thread, sock, url = _serve(engine)
-        stops.append((engine, server, thread, sock))
-        return engine, url
-
-    yield start
-    for engine, server, thread, sock in stops:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
-        engine.stop()
+        yield start
 
 
 def _health(url):

@@ -73,9 +73,11 @@ def _kda_decode_fused(x3, f, b, conv_weights, A_log, dt_bias, state, conv, index
     B, H, K = f.shape
     y = conv_decode(x3, conv_weights, conv, index)  # [3,B,HK] in x3's dtype: q, k, v each contiguous
     v = y[2].view(B, 1, H, K)
+    # fla's kernel indexes every input as a contiguous [B,T,H,...] tensor (its raw forward, unlike its autograd
+    # wrapper, does not make them so): the engine's f and b are column slices of the fused projection's output
+    f, b = f.reshape(B, 1, H, K).contiguous(), b.reshape(B, 1, H).contiguous()
     o, _ = fused_recurrent_kda_fwd(
-        q=y[0].view(B, 1, H, K), k=y[1].view(B, 1, H, K), v=v, g=f.reshape(B, 1, H, K), out=torch.empty_like(v),
-        beta=b.reshape(B, 1, H), A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=state,
+        q=y[0].view(B, 1, H, K), k=y[1].view(B, 1, H, K), v=v, g=f, out=torch.empty_like(v), beta=b, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=state,
         inplace_final_state=True, ssm_state_indices=index, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
         use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound if gate_kind == "lower_bound" else None)
     return o[:, 0]

@@ -1,0 +1,90 @@
+"""The engine with the code paths it takes on a GPU, on CPU tensors: fla-core's fused recurrent KDA decode
+(``ssm_state_indices``, state updated in place), our Triton kernels for the short-conv decode, the MLA latent write
+and flash-decoding over the pages, all under Triton's interpreter
+(``TRITON_INTERPRET=1``, set by tests/conftest.py without CUDA), with fused projections (the engine's default,
+whose outputs are column slices of one matmul). Teacher-forced decode logits of a batch of sequences at mixed
+context lengths equal the model's full forward over each whole sequence (fp32: relative RMS 1e-4), step by step.
+
+On CUDA these paths are chosen by device; here they are selected by replacing the engine's dispatchers with the
+CUDA branch of each (what ``tests/gpu/test_engine_parts_gpu.py`` checks on the GPU itself). The fused MoE decode
+kernels stay on the grouped path here: under the interpreter they cost minutes per step; tests/ops/
+test_decode_kernels.py compares them with the grouped path, and their wrapper makes every input contiguous."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from k3 import K3Config, K3ForCausalLM
+from k3.data.tokenizer import train_tokenizer
+from k3.inference.api import GenerationRequest, SamplingParams
+from k3.inference.engine import Engine, EngineConfig
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("fla") is None or importlib.util.find_spec("triton") is None,
+                                reason="needs fla-core and triton (the test extra installs both)")
+
+
+def _rel(a, b):
+    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
+
+
+@pytest.fixture
+def gpu_paths(monkeypatch):
+    """Route the engine's decode through the CUDA branches of its dispatchers."""
+    import k3.inference.mixers as mixers
+    from k3.ops._mla_decode_triton import write_latents
+    from k3.ops.kda.decode import _kda_decode_fused
+    from k3.ops.mla_decode import mla_decode_triton
+
+    calls = {"kda": 0, "mla": 0}
+
+    def kda_decode(x3, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind, lower_bound, backend):
+        calls["kda"] += 1
+        return _kda_decode_fused(x3, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind, lower_bound,
+                                 None)
+
+    def mla_decode_append(q_lat, q_pe, latent, cache, page_table, positions, scale):
+        calls["mla"] += 1
+        write_latents(latent, cache, page_table, positions)
+        return mla_decode_triton(q_lat, q_pe, cache, page_table, positions, scale, length_offset=1, splits=3,
+                                 block_n=16)
+
+    monkeypatch.setattr(mixers, "kda_decode", kda_decode)
+    monkeypatch.setattr(mixers, "mla_decode_append", mla_decode_append)
+    return calls
+
+
+@torch.no_grad()
+def test_decode_on_the_gpu_paths_equals_the_full_forward(gpu_paths):
+    tok = train_tokenizer(["def f(x):\n    return x\n", "import os\n"] * 30, 300)
+    torch.manual_seed(0)
+    cfg = K3Config.preset("tiny").replace(vocab_size=tok.get_vocab_size(), num_nextn_predict_layers=0)
+    model = K3ForCausalLM(cfg).eval()
+    eng = Engine(model, tok, EngineConfig(num_pages=64, page_tokens=32, hash_block=8, prefill_chunk=24,
+                                          step_tokens=64, max_batch=4, prefix_cache=False))
+    assert model.model.layers[0].self_attn.in_proj is not None  # fused projections: f and b are strided slices
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 250, (n,), generator=g).tolist() for n in (5, 21, 40)]
+    for p in prompts:
+        eng.submit(GenerationRequest(tuple(p), SamplingParams(max_tokens=16, ignore_eos=True)))
+    while any(s.pending > 1 for s in eng.running) or eng.waiting:  # prefill every prompt (chunked, several steps)
+        plan = eng.scheduler.schedule()
+        eng.runner.execute(plan)
+        eng.scheduler.update(plan, eng.seqs)
+        for it in plan.prefill + plan.decode:
+            if it.sample is not None:
+                eng.seqs[it.seq_id].tokens.append(7)
+    gpu_paths.update(kda=0, mla=0)
+    for step in range(2):
+        plan = eng.scheduler.schedule()
+        assert len(plan.decode) == len(prompts) and not plan.prefill
+        logits = eng.runner.decode_logits(plan.decode)
+        for b, it in enumerate(plan.decode):
+            ref = model(torch.tensor([eng.seqs[it.seq_id].tokens]))["logits"][0, -1]
+            assert _rel(logits[b], ref) < 1e-4, (step, b, _rel(logits[b], ref))
+        eng.scheduler.update(plan, eng.seqs)
+        for it, t in zip(plan.decode, logits.argmax(-1).tolist()):
+            eng.seqs[it.seq_id].tokens.append(t)
+    n_kda = sum(1 for i in range(cfg.num_hidden_layers) if cfg.layer_kind(i) == "kda")
+    assert gpu_paths["kda"] == 2 * n_kda and gpu_paths["mla"] == 2 * (cfg.num_hidden_layers - n_kda)
+    eng.stop()

@@ -28,11 +28,9 @@ from ..data import Document, PackedDataset, eos_id, load_tokenizer, save_tokeniz
 from ..data.tokenizer import unigram_entropy
 from ..train import data as run_data
 from ..train.data import RunData
-from .format import ChatFormat
-from .tasks.base import EFFORTS
+from .format import EFFORTS, ChatFormat
 
-__all__ = ["Conversation", "load_conversations", "encode_conversation", "prepare", "write_conversations",
-           "task_conversations"]
+__all__ = ["Conversation", "load_conversations", "encode_conversation", "prepare", "write_conversations"]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -167,27 +165,3 @@ def prepare(cfg, run: Path, resume_from: Path | None, par) -> RunData:
     val_set = PackedDataset(val_ids, cfg.seq_len, eos, shuffle_seed=None, drop_last=False, label_docs=val_labels)
     targets = val_set.tokens[val_set.labels != -100]
     return RunData(tok, train_set, val_set, unigram_entropy(targets))
-
-
-def task_conversations(task_names, n_per_task: int, seed: int = 0, matched: float = 0.0) -> list[dict]:
-    """Chat records for the SFT cold start from the embedded tasks' training split: per task ``n_per_task``
-    problems, each with a random effort tag; the reply's reasoning is that of the tag with probability
-    ``matched``, else of an effort drawn uniformly (so the tag means little until RL gives it a meaning)."""
-    import random
-
-    from .tasks import get_task, stream
-
-    rng = random.Random(seed)
-    records = []
-    for name in task_names:
-        task = get_task(name)
-        for i, p in zip(range(n_per_task), stream(task, "train", seed)):
-            tag = rng.choice(EFFORTS)
-            style = tag if rng.random() < matched else rng.choice(EFFORTS)
-            sol = task.solution(p, style)
-            records.append({"id": f"{name}:{seed}:{i}", "effort": tag,
-                            "messages": [{"role": "user", "content": p.prompt},
-                                         {"role": "assistant", "content": sol.answer,
-                                          "reasoning_content": sol.reasoning}]})
-    rng.shuffle(records)
-    return records

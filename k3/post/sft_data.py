@@ -184,10 +184,9 @@ def task_conversations(task_names, n_per_task: int, seed: int = 0, matched: floa
         for i, p in zip(range(n_per_task), stream(task, "train", seed)):
             tag = rng.choice(EFFORTS)
             style = tag if rng.random() < matched else rng.choice(EFFORTS)
-            sol = task.solution(p, style)
             records.append({"id": f"{name}:{seed}:{i}", "effort": tag,
                             "messages": [{"role": "user", "content": p.prompt},
-                                         {"role": "assistant", "content": sol.answer,
-                                          "reasoning_content": sol.reasoning}]})
+                                         {"role": "assistant", "content": p.answer,
+                                          "reasoning_content": task.reference_reasoning(p, style)}]})
     rng.shuffle(records)
     return records

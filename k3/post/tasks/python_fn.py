@@ -3,8 +3,9 @@
 
 The answer is the function's body (indented under the given ``def`` line before it runs) or a whole ``def f``
 (run as written); a code fence around it is removed (``final_answer``). It is right when every test case's
-``assert f(input) == expected`` passes within ``timeout`` seconds and ``memory_mb`` of address space; a syntax
-error, an exception, a crash or the timeout is wrong.
+``assert f(input) == expected`` passes within ``timeout`` seconds and ``memory_mb`` of address space, and the
+program then prints a fresh random token (so exiting early with status 0, ``sys.exit(0)`` in ``f``, is wrong too);
+a syntax error, an exception, a crash or the timeout is wrong.
 
 ``difficulty`` 1: functions of a number; 2 (default): and of a list (sum, max, count, ...); 3: and list
 transformations (filters, maps, sorted). Each problem is a template with its parameters; the expected outputs come
@@ -15,6 +16,7 @@ from the reference body on inputs seeded by the prompt. Reasoning at "max": a pl
 from __future__ import annotations
 
 import random
+import secrets
 import textwrap
 from dataclasses import dataclass
 
@@ -46,12 +48,12 @@ def _inputs(arg: str, rng: random.Random, n: int) -> list:
     return [[rng.randint(0, 12) for _ in range(rng.randint(1, 6))] for _ in range(n)]
 
 
-def program(signature: str, answer: str, cases: list) -> str:
-    """The candidate as a function (its body under ``signature`` unless it is a whole ``def``) and one assertion
-    per case."""
+def program(signature: str, answer: str, cases: list, done: str) -> str:
+    """The candidate as a function (its body under ``signature`` unless it is a whole ``def``), one assertion per
+    case, then ``print(done)``."""
     code = answer if answer.lstrip().startswith("def ") else f"{signature}\n{textwrap.indent(answer, '    ')}"
     checks = "\n".join(f"assert f({x!r}) == {y!r}, {x!r}" for x, y in cases)
-    return f"{code}\n\n{checks}\n"
+    return f"{code}\n\n{checks}\nprint({done!r})\n"
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ class PythonFunctions(Task):
     def sample(self, rng: random.Random) -> Problem:
         pool = [t for t in TEMPLATES if t[0] <= self.difficulty]
         _, arg, desc, expr, plan = rng.choice(pool)
-        a, b = rng.randint(2, 12), rng.randint(0, 30)
+        a, b = rng.randint(2, 19), rng.randint(0, 60)
         desc, expr, plan = (s.format(a=a, b=b) for s in (desc, expr, plan))
         signature = f"def f({arg}):"
         prompt = f"Write the body of {signature} {desc}."
@@ -89,9 +91,11 @@ class PythonFunctions(Task):
         return plan + "\n" + "\n".join(f"f({x!r}) = {y!r}" for x, y in problem.meta["cases"][:2])
 
     def check(self, problem: Problem, answer: str) -> bool:
-        source = program(problem.meta["signature"], answer, problem.meta["cases"])
+        done = secrets.token_hex(16)
+        source = program(problem.meta["signature"], answer, problem.meta["cases"], done)
         try:
             compile(source, "<candidate>", "exec")  # parsing runs nothing: a syntax error needs no subprocess
         except (SyntaxError, ValueError):
             return False
-        return run_python(source, self.timeout, self.memory_mb).ok
+        result = run_python(source, self.timeout, self.memory_mb)
+        return result.ok and result.stdout.rstrip().endswith(done)

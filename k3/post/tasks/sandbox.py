@@ -1,6 +1,6 @@
 """Run untrusted Python in a subprocess with a wall-clock limit and memory, CPU, file-size and network limits.
 
-``run_python(source, timeout=2.0, memory_mb=256)`` -> ``SandboxResult(ok, returncode, timed_out, stderr)``. The
+``run_python(source, timeout=2.0, memory_mb=256)`` -> ``SandboxResult(ok, returncode, timed_out, stdout, stderr)``. The
 code is written to an empty temporary directory (the child's working directory, removed afterwards) and run by a
 fresh interpreter (``python -I -S``: no user site, no site-packages, no environment variables) in its own session,
 whose launcher first enters a new user + network namespace (no interfaces: no network; where the kernel forbids
@@ -61,6 +61,7 @@ class SandboxResult:
     ok: bool  # exited with status 0 within the limits
     returncode: int | None  # None when killed at the timeout
     timed_out: bool
+    stdout: str  # its last 2000 characters
     stderr: str  # its last 2000 characters
 
 
@@ -72,7 +73,7 @@ def run_python(source: str, timeout: float = 2.0, memory_mb: int = 256) -> Sandb
                          f"{memory_mb!r}")
     with tempfile.TemporaryDirectory(prefix="k3-sandbox-") as tmp:
         Path(tmp, "candidate.py").write_text(source, encoding="utf-8")
-        with open(Path(tmp, ".stdout"), "wb") as out, open(Path(tmp, ".stderr"), "wb+") as err:
+        with open(Path(tmp, ".stdout"), "wb+") as out, open(Path(tmp, ".stderr"), "wb+") as err:
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(memory_mb << 20), str(int(timeout) + 1),
                  str(FILE_LIMIT)], cwd=tmp, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env={},
@@ -85,11 +86,15 @@ def run_python(source: str, timeout: float = 2.0, memory_mb: int = 256) -> Sandb
             _kill_group(proc.pid)  # also what a finished child left running
             if timed_out:
                 proc.wait()
-            err.seek(max(0, err.seek(0, os.SEEK_END) - 8000))
-            stderr = err.read().decode("utf-8", "replace")[-2000:]
+            stdout, stderr = _tail(out), _tail(err)
     if timed_out:
-        return SandboxResult(False, None, True, stderr)
-    return SandboxResult(proc.returncode == 0, proc.returncode, False, stderr)
+        return SandboxResult(False, None, True, stdout, stderr)
+    return SandboxResult(proc.returncode == 0, proc.returncode, False, stdout, stderr)
+
+
+def _tail(f, chars: int = 2000) -> str:
+    f.seek(max(0, f.seek(0, os.SEEK_END) - 4 * chars))
+    return f.read().decode("utf-8", "replace")[-chars:]
 
 
 def _kill_group(pgid: int) -> None:

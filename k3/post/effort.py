@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .format import EFFORTS
+from .tasks.base import EFFORTS
 
 __all__ = ["BudgetLine", "fit_budget", "tau_at", "DEFAULT_TAU"]
 

@@ -17,18 +17,10 @@ from collections.abc import Sequence
 
 from ..serve.chat import chat_template_for
 
-__all__ = ["ChatFormat", "EFFORTS", "EFFORT_SYSTEM", "THINK_OPEN", "THINK_CLOSE", "check_effort"]
-
-EFFORTS = ("low", "high", "max")  # the reasoning efforts (SPEC §9), shortest budget first
+__all__ = ["ChatFormat", "EFFORT_SYSTEM", "THINK_OPEN", "THINK_CLOSE"]
 
 EFFORT_SYSTEM = "Reasoning effort: {effort}."
 THINK_OPEN, THINK_CLOSE = "<think>\n", "\n</think>\n"
-
-
-def check_effort(effort: str | None, name: str = "effort") -> str | None:
-    if effort is not None and effort not in EFFORTS:
-        raise ValueError(f"{name} must be one of {list(EFFORTS)} (or absent); got {effort!r}")
-    return effort
 
 
 class ChatFormat:

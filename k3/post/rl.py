@@ -34,7 +34,8 @@ from ..train.trainer import Trainer, build_model
 from .batch import pack, score, token_logprobs
 from .effort import DEFAULT_TAU, BudgetLine, fit_budget, tau_at
 from .evaluate import ask, evaluate_policy
-from .format import ChatFormat, check_effort
+from .format import ChatFormat
+from .tasks.base import check_effort
 from .objective import budget_reward, group_advantages, mopd_token_rewards, policy_loss
 from .rollout import Rollout, Trajectory
 
@@ -79,7 +80,7 @@ class RLConfig:
         need(self.beta >= 0 and self.r_max > 0, "beta", "must be >= 0 (and r_max > 0)")
         need(bool(self.tasks) and bool(self.efforts), "tasks", "and efforts must be non-empty")
         for e in self.efforts:
-            check_effort(e, "RLConfig.efforts")
+            check_effort(e)
         need(not self.teachers or self.samples >= 1, "teachers", "need samples >= 1")
         need(self.train.init_from is not None, "train", "needs init_from: RL starts from an SFT checkpoint")
         need(self.train.dp == self.train.cp == self.train.ep == 1, "train",

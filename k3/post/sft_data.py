@@ -28,7 +28,8 @@ from ..data import Document, PackedDataset, eos_id, load_tokenizer, save_tokeniz
 from ..data.tokenizer import unigram_entropy
 from ..train import data as run_data
 from ..train.data import RunData
-from .format import EFFORTS, ChatFormat
+from .format import ChatFormat
+from .tasks.base import EFFORTS
 
 __all__ = ["Conversation", "load_conversations", "encode_conversation", "prepare", "write_conversations"]
 

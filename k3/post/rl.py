@@ -166,7 +166,10 @@ def rl_train(cfg: RLConfig, tasks: dict | None = None, log=print) -> dict:
     else:
         lines = {k: BudgetLine(*v) for k, v in rl_state["budget"].items()}
         next_group = rl_state["next_group"]
-        groups = {g["id"]: {**g, "trajs": [Trajectory(**t) for t in g["trajs"]]} for g in rl_state["groups"]}
+        from .tasks import Problem
+
+        groups = {g["id"]: {**g, "problem": Problem(**g["problem"]), "trajs": [Trajectory(**t) for t in g["trajs"]]}
+                  for g in rl_state["groups"]}
     if lines:
         log("budget b0(x) = a + b |x| per task: " + ", ".join(f"{k}: {v.a:.1f} + {v.b:.2f}|x|" for k, v in lines.items()))
     prompts = _Prompts(cfg, tasks)
@@ -228,7 +231,8 @@ def rl_train(cfg: RLConfig, tasks: dict | None = None, log=print) -> dict:
         last = rec
         if step % tcfg.save_every == 0 or step == end:
             extra = {"rl": {"next_group": next_group, "budget": {k: [v.a, v.b] for k, v in lines.items()},
-                            "groups": [{**g, "trajs": [t.to_dict() for t in g["trajs"]]} for g in groups.values()]}}
+                            "groups": [{**g, "problem": dataclasses.asdict(g["problem"]),
+                                        "trajs": [t.to_dict() for t in g["trajs"]]} for g in groups.values()]}}
             trainer.save(run, run / "tokenizer.json", extra, cfg.to_json())
     return {"step": step, "last": last, "run": str(run)}
 

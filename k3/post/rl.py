@@ -153,6 +153,10 @@ def rl_train(cfg: RLConfig, tasks: dict | None = None, log=print) -> dict:
     torch.manual_seed(tcfg.seed)
     model, state = build_model(mcfg, device, resume_from, None if resume_from else init)
     reference = build_model(mcfg, device, None, init)[0].eval() if cfg.beta else None
+    missing = [f"{t}:{e}" for t in cfg.tasks for e in cfg.efforts if cfg.teachers and f"{t}:{e}" not in cfg.teachers]
+    if missing:
+        raise ValueError(f"no teacher for {', '.join(missing)}: give one --teacher TASK:EFFORT=CHECKPOINT per (task, "
+                         "effort) distilled")
     teachers = {}
     for key, path in cfg.teachers.items():
         from ..checkpoint import load_pretrained
@@ -245,11 +249,7 @@ def _rewards(cfg: RLConfig, ready: list[dict], tasks: dict, fmt: ChatFormat, tea
         task, effort = tasks[g["task"]], g["effort"]
         correct = [float(task.verify(g["problem"], fmt.parse(t.text, effort)[1])) for t in g["trajs"]]
         if teachers:
-            teacher = teachers.get(f"{g['task']}:{effort}")
-            if teacher is None:
-                raise ValueError(f"no teacher for {g['task']}:{effort}: give one --teacher {g['task']}:{effort}=PATH "
-                                 f"per (task, effort) trained")
-            t_logp = score(teacher, g["trajs"], cfg.micro_tokens)
+            t_logp = score(teachers[f"{g['task']}:{effort}"], g["trajs"], cfg.micro_tokens)
             g["adv"] = [mopd_token_rewards(torch.tensor(tl), torch.tensor(t.logprobs), cfg.r_max).tolist()
                         for tl, t in zip(t_logp, g["trajs"])]
             rewards = [sum(a) / max(len(a), 1) for a in g["adv"]]

@@ -11,10 +11,10 @@ import os
 import sys
 
 from .. import __version__
-from . import chat, demo, evaluate, generate, params, plot, serve, sft, train
+from . import chat, demo, distill, evaluate, generate, params, plot, rl, serve, sft, train
 from .common import Parser
 
-COMMANDS = {"demo": demo, "train": train, "sft": sft, "generate": generate, "chat": chat, "serve": serve, "eval": evaluate,
+COMMANDS = {"demo": demo, "train": train, "sft": sft, "rl": rl, "distill": distill, "generate": generate, "chat": chat, "serve": serve, "eval": evaluate,
             "plot": plot, "params": params}
 # what a user can cause (a bad file, value or device); anything else is a bug and keeps its traceback
 USER_ERRORS = (ValueError, OSError, RuntimeError)

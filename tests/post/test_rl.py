@@ -58,3 +58,11 @@ def test_mopd_with_the_student_as_teacher_has_zero_reward(tmp_path, sft_ckpt):
     with pytest.raises(ValueError, match="no teacher for arithmetic:max, sorting:low, sorting:max"):
         rl_train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out=str(tmp_path / "e")),
                                      teachers={"arithmetic:low": str(sft_ckpt)}), log=lambda *a: None)
+
+
+def test_rl_metrics_plot(tmp_path, sft_ckpt):
+    from k3.cli.plot import plot_run
+
+    cfg = config(tmp_path, sft_ckpt, "p", train={"steps": 2}, chunk=None)
+    rl_train(cfg, log=lambda *a: None)
+    assert sorted(p.name for p in plot_run(cfg.train.out)) == ["load.png", "loss.png", "rl.png"]

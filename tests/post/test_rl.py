@@ -66,3 +66,37 @@ def test_rl_metrics_plot(tmp_path, sft_ckpt):
     cfg = config(tmp_path, sft_ckpt, "p", train={"steps": 2}, chunk=None)
     rl_train(cfg, log=lambda *a: None)
     assert sorted(p.name for p in plot_run(cfg.train.out)) == ["load.png", "loss.png", "rl.png"]
+
+
+@pytest.fixture
+def stopping_ckpt(tmp_path, chat_tokenizer):
+    """A tiny model that ends its reply with EOS at varying lengths: uniform over every other token, EOS's logit
+    3 x one coordinate of the final norm's output (so groups finish in different rounds)."""
+    from k3.data.tokenizer import eos_id
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset("tiny").replace(vocab_size=chat_tokenizer.get_vocab_size()))
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[eos_id(chat_tokenizer), 0] = 3.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+    d = tmp_path / "stopping"
+    model.save_pretrained(d)
+    save_tokenizer(chat_tokenizer, d / "tokenizer.json")
+    return d
+
+
+def test_partial_rollout_carries_replies_across_steps_and_resumes(tmp_path, stopping_ckpt):
+    kw = {"tasks": ("arithmetic",), "efforts": ("max",), "samples": 3, "prompts": 3, "max_tokens": 40, "chunk": 3,
+          "train": {"steps": 4}}
+    a = config(tmp_path, stopping_ckpt, "ca", **kw)
+    rl_train(a, log=lambda *x: None)
+    recs = read_metrics(a.train.out)
+    assert any(r["carried"] > 0 for r in recs[:-1])  # unfinished replies crossed a step boundary ...
+    assert any(r["staleness"] > 0 for r in recs)  # ... and were trained on with tokens of an older policy
+    b = config(tmp_path, stopping_ckpt, "cb", **{**kw, "train": {"steps": 4, "stop_after": 2}})
+    rl_train(b, log=lambda *x: None)
+    rl_train(config(tmp_path, stopping_ckpt, "cb", **kw), log=lambda *x: None)  # resumes with the carried replies
+    strip = lambda r: {k: v for k, v in r.items() if k not in TIMING}  # noqa: E731
+    assert [strip(r) for r in recs] == [strip(r) for r in read_metrics(b.train.out)]

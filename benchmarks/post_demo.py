@@ -50,6 +50,8 @@ def main():
     p.add_argument("--tasks", default="arithmetic,sorting")
     p.add_argument("--sft-problems", type=int, default=400, help="per task and effort")
     p.add_argument("--sft-steps", type=int, default=200)
+    p.add_argument("--sft-batch", type=int, default=8)
+    p.add_argument("--sft-seq-len", type=int, default=128)
     p.add_argument("--rl-steps", type=int, default=20)
     p.add_argument("--rl-lr", type=float, default=3e-4)
     p.add_argument("--samples", type=int, default=8)
@@ -76,8 +78,9 @@ def main():
             lines += f.read_text().splitlines()
         (out / "sft.jsonl").write_text("\n".join(lines) + "\n")
         cfg = TrainConfig(out=str(out / "sft"), preset=args.preset, chat=True, data=str(out / "sft.jsonl"),
-                          vocab_size=512, steps=args.sft_steps, batch_size=8, seq_len=128, lr=3e-3,
-                          eval_every=args.sft_steps, log_every=50, save_every=args.sft_steps, device=args.device)
+                          vocab_size=512, steps=args.sft_steps, batch_size=args.sft_batch, seq_len=args.sft_seq_len,
+                          lr=3e-3,
+                          eval_every=args.sft_steps, log_every=10, save_every=args.sft_steps, device=args.device)
         train(cfg, log=quiet, prepare=prepare)
         res["sft_s"] = time.time() - t0
     res["sft"] = evaluate(sft_ckpt, tasks, ("low", "max"), args)
@@ -94,9 +97,10 @@ def main():
         low_ckpt, _ = rl(args, "rl-low", out / "rl-max" / "checkpoint", ("low",), args.rl_steps, quiet, tau_from=2.0)
         res["rl_low"] = evaluate(low_ckpt, tasks, ("low", "max"), args)
         print(json.dumps(res["rl_low"]), flush=True)
-    if "mopd" in stages:  # one student (from SFT) from the teachers of each (task, effort)
-        teachers = {f"{t}:{e}": str(out / f"rl-{e}" / "checkpoint") for t in args.tasks for e in ("low", "max")}
-        st_ckpt, _ = rl(args, "mopd", sft_ckpt, ("low", "max"), args.rl_steps, quiet, teachers=teachers)
+    if "mopd" in stages:  # one student (from SFT) from the teachers of each (task, effort) trained above
+        efforts = tuple(e for e in ("low", "max") if (out / f"rl-{e}" / "checkpoint").is_dir())
+        teachers = {f"{t}:{e}": str(out / f"rl-{e}" / "checkpoint") for t in args.tasks for e in efforts}
+        st_ckpt, _ = rl(args, "mopd", sft_ckpt, efforts, args.rl_steps, quiet, teachers=teachers)
         res["mopd"] = evaluate(st_ckpt, tasks, ("low", "max"), args)
         print(json.dumps(res["mopd"]), flush=True)
     if "partial" in stages:  # time per step, same prompts, without and with partial rollout

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..train.loop import TrainConfig
 from .common import add_model_arguments
-from .train import add_train_arguments, config_from_args, run_training
+from .train import add_train_arguments, config_from_args, report, run_training
 
 HELP = "fine-tune on chat data (JSONL of messages), the loss on the assistant's tokens only"
 
@@ -33,14 +33,5 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from ..post.sft_data import prepare
 
-    cfg = config_from_args(args, SFT)
-    result, rank = run_training(cfg, command="sft", prepare=prepare)
-    if result is None:
-        return 130
-    if rank != 0 or result.get("already_complete"):
-        return 0
-    last = result["last"]
-    print(f"done: step {result['step']}, loss {last['loss']:.4f}"
-          + (f", val_loss {last['val_loss']:.4f}" if "val_loss" in last else "")
-          + f" (on assistant tokens); checkpoint in {result['run']}/checkpoint")
-    return 0
+    return report(*run_training(config_from_args(args, SFT), command="sft", prepare=prepare),
+                  lambda r: "on assistant tokens")

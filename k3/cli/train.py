@@ -109,8 +109,8 @@ def run_training(cfg: TrainConfig, log=print, command: str = "train", prepare=No
         plan.close()
 
 
-def run(args) -> int:
-    result, rank = run_training(config_from_args(args, TrainConfig(out=args.out)))
+def report(result: dict | None, rank: int, note) -> int:
+    """The exit status of a training command, and its last line on rank 0: ``note(result)`` after the losses."""
     if result is None:
         return 130
     if rank != 0 or result.get("already_complete"):
@@ -118,5 +118,10 @@ def run(args) -> int:
     last = result["last"]
     print(f"done: step {result['step']}, loss {last['loss']:.4f}"
           + (f", val_loss {last['val_loss']:.4f}" if "val_loss" in last else "")
-          + f" (unigram entropy {result['unigram_entropy']:.3f} nats); checkpoint in {result['run']}/checkpoint")
+          + f" ({note(result)}); checkpoint in {result['run']}/checkpoint")
     return 0
+
+
+def run(args) -> int:
+    return report(*run_training(config_from_args(args, TrainConfig(out=args.out))),
+                  lambda r: f"unigram entropy {r['unigram_entropy']:.3f} nats")

@@ -25,13 +25,14 @@ import json
 from pathlib import Path
 
 from ..data import Document, PackedDataset, eos_id, load_tokenizer, save_tokenizer, split_documents, train_tokenizer
+from ..data.corpus import jsonl_objects
 from ..data.tokenizer import unigram_entropy
 from ..train import data as run_data
 from ..train.data import RunData
 from .format import ChatFormat
 from .tasks.base import EFFORTS
 
-__all__ = ["Conversation", "load_conversations", "encode_conversation", "prepare", "write_conversations"]
+__all__ = ["Conversation", "load_conversations", "encode_conversation", "prepare"]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -76,32 +77,14 @@ def load_conversations(path: str | Path) -> list[Conversation]:
         raise FileNotFoundError(f"chat data {str(path)!r} is not a file; give a JSONL file of {{\"messages\": [...]}} "
                                 "lines")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-            _check(obj, where)
-            out.append(Conversation(obj.get("id") or f"{path.name}:{lineno}",
-                                    json.dumps({"messages": obj["messages"], "effort": obj.get("effort")})))
+    for lineno, where, obj in jsonl_objects(path, '{"messages": [...]}'):
+        _check(obj, where)
+        out.append(Conversation(obj.get("id") or f"{path.name}:{lineno}",
+                                json.dumps({"messages": obj["messages"], "effort": obj.get("effort")})))
     if len(out) < 2:
         raise ValueError(f"{path} holds {len(out)} conversation(s); SFT needs at least 2 (one is held out for "
                          "the validation loss)")
     return out
-
-
-def write_conversations(path: str | Path, records) -> Path:
-    """Write ``records`` ({"messages", "effort", "id"} dicts) as chat JSONL."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    return path
 
 
 def encode_conversation(fmt: ChatFormat, messages: list[dict], effort: str | None = None

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..train.metrics import read_metrics
 
-HELP = "render RUN_DIR/metrics.jsonl to loss.png and load.png"
+HELP = "render RUN_DIR/metrics.jsonl to loss.png and load.png (and rl.png for k3 rl / distill runs)"
 
 
 def add_arguments(p) -> None:
@@ -55,6 +55,25 @@ def load_figure(loads: list[dict], info: dict):
     return _finish(fig, ax, "expert load max / mean", fontsize=7, ncols=1 + n // 16)
 
 
+def rl_figure(recs: list[dict]):
+    """k3 rl / k3 distill: reward and accuracy of the step's rollouts, reply length per effort, held-out accuracy."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4))
+    steps = [r["step"] for r in recs]
+    for key in ("reward", "accuracy", "clip_frac"):
+        ax.plot(steps, [r.get(key) for r in recs], label=key)
+    for key in sorted({k for r in recs for k in r if k.startswith("eval_accuracy/")}):
+        ev = [r for r in recs if key in r]
+        ax.plot([r["step"] for r in ev], [r[key] for r in ev], "o-", label=key.replace("eval_accuracy/", "held-out "))
+    for key in sorted({k for r in recs for k in r if k.startswith("length/")}):
+        bx.plot(steps, [r.get(key) for r in recs], label=key.replace("length/", "length, "))
+    bx.set_xlabel("step")
+    bx.set_ylabel("reply tokens")
+    bx.legend()
+    return _finish(fig, ax, "reward / accuracy")
+
+
 def plot_run(run_dir: str | Path) -> list[Path]:
     import matplotlib
 
@@ -66,7 +85,9 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     if not recs:
         raise ValueError(f"{run_dir / 'metrics.jsonl'} is empty: nothing to plot yet")
     info = json.loads((run_dir / "run_info.json").read_text()) if (run_dir / "run_info.json").exists() else {}
-    figures = {"loss.png": loss_figure(recs, info)}
+    figures = {"loss.png": loss_figure([r for r in recs if "loss" in r], info)}
+    if any("reward" in r for r in recs):
+        figures["rl.png"] = rl_figure([r for r in recs if "reward" in r])
     loads = [r for r in recs if "load_max_over_mean" in r]
     if loads:
         figures["load.png"] = load_figure(loads, info)

@@ -72,7 +72,7 @@ def config_from_args(args, base: TrainConfig) -> TrainConfig:
         eval_every=args.eval_every, log_every=args.log_every, save_every=args.save_every, seed=args.seed,
         device=args.device, kda_backend=args.kda_backend, memory_policy=args.memory_policy, compile=args.compile,
         stop_after=args.stop_after, dp=args.dp, cp=args.cp, ep=args.ep, verify=args.verify, qat=args.qat,
-        init_from=args.init_from)
+        init_from=args.init_from, chat=base.chat)
 
 
 def add_arguments(p) -> None:
@@ -91,15 +91,16 @@ def interrupted_message(out: str, e: KeyboardInterrupt) -> str:
     return f"interrupted; the checkpoint of step {step} is in {ckpt}: run the same command again to resume from it"
 
 
-def run_training(cfg: TrainConfig, log=print, command: str = "train") -> tuple[dict | None, int]:
+def run_training(cfg: TrainConfig, log=print, command: str = "train", prepare=None) -> tuple[dict | None, int]:
     """``train(cfg)`` under the plan its --dp/--ep/--cp describe (one process when all are 1) -> (result, rank);
-    result is None when Ctrl-C stopped the run (rank 0 has said where its checkpoint is)."""
+    result is None when Ctrl-C stopped the run (rank 0 has said where its checkpoint is). ``prepare``: the data
+    step (``k3.train.loop.train``'s)."""
     from ..distributed.plan import ParallelDims, ParallelPlan
     from ..train.loop import resolve_device
 
     plan = ParallelPlan(ParallelDims(cfg.dp, cfg.ep, cfg.cp), device=resolve_device(cfg.device))
     try:
-        return train(cfg, plan, log=log), plan.rank
+        return train(cfg, plan, log=log, prepare=prepare), plan.rank
     except KeyboardInterrupt as e:
         if plan.rank == 0:
             print(f"k3 {command}: {interrupted_message(cfg.out, e)}", file=sys.stderr)
@@ -108,8 +109,8 @@ def run_training(cfg: TrainConfig, log=print, command: str = "train") -> tuple[d
         plan.close()
 
 
-def run(args) -> int:
-    result, rank = run_training(config_from_args(args, TrainConfig(out=args.out)))
+def report(result: dict | None, rank: int, note) -> int:
+    """The exit status of a training command, and its last line on rank 0: ``note(result)`` after the losses."""
     if result is None:
         return 130
     if rank != 0 or result.get("already_complete"):
@@ -117,5 +118,10 @@ def run(args) -> int:
     last = result["last"]
     print(f"done: step {result['step']}, loss {last['loss']:.4f}"
           + (f", val_loss {last['val_loss']:.4f}" if "val_loss" in last else "")
-          + f" (unigram entropy {result['unigram_entropy']:.3f} nats); checkpoint in {result['run']}/checkpoint")
+          + f" ({note(result)}); checkpoint in {result['run']}/checkpoint")
     return 0
+
+
+def run(args) -> int:
+    return report(*run_training(config_from_args(args, TrainConfig(out=args.out))),
+                  lambda r: f"unigram entropy {r['unigram_entropy']:.3f} nats")

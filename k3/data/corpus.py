@@ -157,26 +157,32 @@ def load_documents(path: str | os.PathLike, max_chars: int | None = None) -> lis
     return [piece for d in docs for piece in _split(d, max_chars)]
 
 
-def _load_jsonl(path: Path) -> list[Document]:
-    docs = []
-    with open(path, encoding="utf-8", errors="replace") as f:
+def jsonl_objects(path: Path, example: str, errors: str = "strict"):
+    """(line number, "path:line", object) of each non-blank line of a JSONL file; a line that is no JSON is
+    refused naming it and ``example``, what a line should look like."""
+    with open(path, encoding="utf-8", errors=errors) as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
             try:
-                obj = json.loads(line)
+                yield lineno, where, json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not valid JSON ({e.msg}); each line must be an object like "
-                                 '{"text": "..."}') from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                got = (f"a JSON {type(obj).__name__}" if not isinstance(obj, dict) else
-                       "no \"text\" field" if "text" not in obj else f'"text" of type {type(obj["text"]).__name__}')
-                raise ValueError(f'{where}: expected an object with a string "text" field; got {got}. '
-                                 'Each line must look like {"text": "..."}')
-            doc_id = obj["id"] if isinstance(obj.get("id"), str) else f"{path.name}:{lineno}"
-            if obj["text"]:
-                docs.append(Document(doc_id, obj["text"]))
+                                 f"{example}") from None
+
+
+def _load_jsonl(path: Path) -> list[Document]:
+    docs = []
+    for lineno, where, obj in jsonl_objects(path, '{"text": "..."}', errors="replace"):
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            got = (f"a JSON {type(obj).__name__}" if not isinstance(obj, dict) else
+                   "no \"text\" field" if "text" not in obj else f'"text" of type {type(obj["text"]).__name__}')
+            raise ValueError(f'{where}: expected an object with a string "text" field; got {got}. '
+                             'Each line must look like {"text": "..."}')
+        doc_id = obj["id"] if isinstance(obj.get("id"), str) else f"{path.name}:{lineno}"
+        if obj["text"]:
+            docs.append(Document(doc_id, obj["text"]))
     if not docs:
         raise ValueError(f'{path} holds no documents with non-empty "text"; expected one {{"text": ...}} per line')
     return docs

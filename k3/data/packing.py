@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-__all__ = ["split_documents", "pack_stream", "pack", "PackedDataset"]
+__all__ = ["split_documents", "pack_stream", "pack", "PackedDataset", "count_targets"]
 
 
 def _hash64(text: str) -> int:
@@ -51,6 +51,21 @@ def pack_stream(token_docs: Sequence[Sequence[int]], eos_id: int) -> tuple[torch
     return tokens, ends - lengths
 
 
+def _check_labels(token_docs, label_docs) -> None:
+    if len(label_docs) != len(token_docs) or any(len(a) != len(b) for a, b in zip(token_docs, label_docs)):
+        raise ValueError("label_docs must have one label per token of every document (the same lengths as token_docs)")
+
+
+def count_targets(cu_seqlens: torch.Tensor, labels: torch.Tensor | None, shift: int) -> int:
+    """Positions of a packed row (cu_seqlens [S+1]) whose token ``shift`` ahead lies in the same document and, with
+    ``labels`` ([T] or [1,T]), is a target (not -100)."""
+    if labels is None:
+        return int((cu_seqlens[1:] - cu_seqlens[:-1] - shift).clamp(min=0).sum())
+    lab = labels.reshape(-1)
+    doc = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1), cu_seqlens[1:] - cu_seqlens[:-1])
+    return int(((doc[shift:] == doc[:-shift]) & (lab[shift:] != -100)).sum())
+
+
 def _sample(tokens: torch.Tensor, doc_starts: torch.Tensor, i: int, seq_len: int):
     lo, hi = i * seq_len, min((i + 1) * seq_len, len(tokens))  # the last sample may be short (drop_last=False)
     a, b = torch.searchsorted(doc_starts, torch.tensor([lo + 1, hi])).tolist()  # starts strictly inside (lo, hi)
@@ -77,18 +92,30 @@ class PackedDataset:
     cursor (epoch, position in that epoch's order), so a restored dataset yields exactly the next batches.
     ``shuffle_seed=None`` keeps stream order. One cursor per dataset: run one ``batches`` iterator at a time.
     ``drop_last=False`` keeps the last < T tokens as a shorter final sample (for validation: nothing unseen).
+    ``label_docs`` (fine-tuning): per document, each token's training label, -100 where the token is no target
+    (a chat's prompt: ``k3.post.sft_data``); batches then carry "labels", -100 at every EOS too.
     """
 
     def __init__(self, token_docs: Sequence[Sequence[int]], seq_len: int, eos_id: int,
-                 shuffle_seed: int | None = 0, drop_last: bool = True):
+                 shuffle_seed: int | None = 0, drop_last: bool = True, label_docs: Sequence[Sequence[int]] | None = None):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1; got {seq_len}")
         self.seq_len, self.eos_id, self.shuffle_seed = seq_len, eos_id, shuffle_seed
         self.tokens, self.doc_starts = pack_stream(token_docs, eos_id)  # [N] int32, [D] int64
-        self.num_samples = len(self.tokens) // seq_len if drop_last else -(-len(self.tokens) // seq_len)
-        if self.num_samples == 0:
+        self.labels = None  # [N] int32, -100 = not a target
+        self.windows = len(self.tokens) // seq_len if drop_last else -(-len(self.tokens) // seq_len)
+        if self.windows == 0:
             raise ValueError(f"the documents pack into {len(self.tokens)} tokens (EOS included), fewer than one "
                              f"sample of seq_len={seq_len}; use a smaller seq_len or more documents")
+        self._window = torch.arange(self.windows)  # sample i is the stream's window _window[i]
+        if label_docs is not None:
+            _check_labels(token_docs, label_docs)
+            kept = [lab for tok, lab in zip(token_docs, label_docs) if len(tok)]
+            self.labels = pack_stream(kept, -100)[0]
+            self._window = torch.tensor([w for w in range(self.windows) if self._has_targets(w)], dtype=torch.int64)
+            if len(self._window) == 0:
+                raise ValueError("no sample holds a training target (every label is -100): nothing to learn from")
+        self.num_samples = len(self._window)
         self.epoch, self.position = 0, 0
         self._order_epoch, self._order = None, None
 
@@ -98,13 +125,24 @@ class PackedDataset:
     @property
     def dropped_tokens(self) -> int:
         """Tokens at the end of the stream that fill no whole sample."""
-        return max(len(self.tokens) - self.num_samples * self.seq_len, 0)
+        return max(len(self.tokens) - self.windows * self.seq_len, 0)
 
     def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids [T] int64, cu_seqlens [S+1] int64) of sample i in stream order."""
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range: the dataset has {self.num_samples} samples")
-        return _sample(self.tokens, self.doc_starts, i, self.seq_len)
+        return _sample(self.tokens, self.doc_starts, int(self._window[i]), self.seq_len)
+
+    def _labels(self, i: int) -> torch.Tensor:
+        w = int(self._window[i])
+        return self.labels[w * self.seq_len: (w + 1) * self.seq_len].long()  # the tokens sample(i) holds
+
+    def _has_targets(self, w: int) -> bool:
+        """Whether window ``w`` has a target 1 and 2 tokens ahead (the next-token and the first MTP loss) inside a
+        document: a window of prompt tokens only is left out (its losses would be 0/0)."""
+        _, cu = _sample(self.tokens, self.doc_starts, w, self.seq_len)
+        lab = self.labels[w * self.seq_len: (w + 1) * self.seq_len]
+        return all(count_targets(cu, lab, d) > 0 for d in (1, 2))
 
     def order(self, epoch: int) -> torch.Tensor:
         """[num_samples] int64: the sample indices of ``epoch`` in the order ``batches`` visits them."""
@@ -118,12 +156,16 @@ class PackedDataset:
         return self._order
 
     def collate(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
-        """Samples packed into one row: {"input_ids" [1, B*T] int64, "cu_seqlens" [S+1] int64}."""
+        """Samples packed into one row: {"input_ids" [1, B*T] int64, "cu_seqlens" [S+1] int64} (and "labels"
+        [1, B*T] int64 with ``label_docs``)."""
         ids, cus = zip(*(self.sample(int(i)) for i in indices))
         starts = torch.tensor([0] + [len(x) for x in ids[:-1]]).cumsum(0).tolist()  # only a last sample is short
         offsets = [cu[1:] + s for s, cu in zip(starts, cus)]  # cu[0] = 0 is the previous cu[-1]
-        return {"input_ids": torch.cat(ids).unsqueeze(0),
-                "cu_seqlens": torch.cat([torch.zeros(1, dtype=torch.int64), *offsets])}
+        batch = {"input_ids": torch.cat(ids).unsqueeze(0),
+                 "cu_seqlens": torch.cat([torch.zeros(1, dtype=torch.int64), *offsets])}
+        if self.labels is not None:
+            batch["labels"] = torch.cat([self._labels(int(i)) for i in indices]).unsqueeze(0)
+        return batch
 
     def batches(self, batch_size: int, start_step: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """Endless training batches from the cursor. ``start_step=k`` first moves the cursor to batch k of a

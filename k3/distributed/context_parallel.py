@@ -178,12 +178,13 @@ def cp_shifted_targets(labels_global: torch.Tensor, cu_seqlens: torch.Tensor | N
 
 
 def cp_model_loss(model, ids_global: torch.Tensor, cu_seqlens, start: int, end: int, group=None, mtp: bool = True,
-                  loss_chunk: int = 4096):
+                  loss_chunk: int = 4096, labels_global: torch.Tensor | None = None):
     """This rank's shares of the single-process losses of ``model`` on ``ids_global`` [B,T_global] split along
     time: -> (lm share, MTP share or None), 0-d fp32 tensors to backpropagate. Each share is this rank's targets'
     CE sum over the group's target count, so the group's shares SUM to the single-process mean (the MTP share: the
     mean over the MTP layers of theirs). ``mtp``: run the MTP layers (when the model has them); every rank of the
-    group must pass the same (their attention is collective).
+    group must pass the same (their attention is collective). ``labels_global`` (default: the ids): the targets,
+    -100 where a token is none (fine-tuning).
 
     The head's CE runs ``loss_chunk`` tokens at a time, recomputed in the backward: no [T, vocab] logits are held
     (what makes long CP segments affordable). It calls the trunk, the norm, the head and the MTP layers one by one:
@@ -195,8 +196,9 @@ def cp_model_loss(model, ids_global: torch.Tensor, cu_seqlens, start: int, end: 
     ids = ids_global[:, start:end]
 
     def share(hidden, shift):  # this rank's share of the global mean CE of head(hidden), shift tokens ahead
+        labels = ids_global if labels_global is None else labels_global
         total, count = chunked_head_ce_sum(model.lm_head, hidden,
-                                           cp_shifted_targets(ids_global, cu_seqlens, start, end, shift), loss_chunk)
+                                           cp_shifted_targets(labels, cu_seqlens, start, end, shift), loss_chunk)
         return _share_of_mean(total, count, group)
 
     h = model.model(ids, mixer=view)

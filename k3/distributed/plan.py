@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..data.packing import count_targets
 from ..ops.varlen import place_cu_seqlens
 from ..train.plan import StepLoss
 from .context_parallel import cp_model_loss
@@ -81,19 +82,18 @@ class ParallelDims:
 
 def rank_slice(batch: dict, index: int, slices: int):
     """Slice ``index`` of a packed global batch cut into ``slices`` equal slices: (input_ids [1,n], cu_seqlens,
-    shares), shares[d] = the slice's positions that predict the token d ahead (d = 1: next token, d = 2: the first
-    MTP layer's) * slices / the global batch's. Sample boundaries are document boundaries, so a slice is a whole
-    number of samples. Everything here is on the host (the loader's tensors): no wait for the device."""
-    ids, cu = batch["input_ids"], batch["cu_seqlens"]
+    labels [1,n] or None, shares), shares[d] = the slice's targets d tokens ahead (d = 1: next token, d = 2: the
+    first MTP layer's) * slices / the global batch's. A target is a position whose token d ahead lies in its own
+    document (and, with the batch's "labels", is not -100). Sample boundaries are document boundaries, so a slice
+    is a whole number of samples. Everything here is on the host (the loader's tensors): no wait for the device."""
+    ids, cu, labels = batch["input_ids"], batch["cu_seqlens"], batch.get("labels")
     n = ids.shape[1] // slices
     lo, hi = index * n, (index + 1) * n
     local = cu[(cu >= lo) & (cu <= hi)] - lo
+    local_labels = None if labels is None else labels[:, lo:hi]
 
-    def predicted(c, d):  # positions of a document that have a target d tokens ahead inside it
-        return int((c[1:] - c[:-1] - d).clamp(min=0).sum())
-
-    shares = {d: predicted(local, d) * slices / max(predicted(cu, d), 1) for d in (1, 2)}
-    return ids[:, lo:hi], local, shares
+    shares = {d: count_targets(local, local_labels, d) * slices / max(count_targets(cu, labels, d), 1) for d in (1, 2)}
+    return ids[:, lo:hi], local, local_labels, shares
 
 
 def place_tokens(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -167,19 +167,20 @@ class ParallelPlan:
         return set(self._experts.values())
 
     def loss(self, model, batch: dict, mtp_weight: float) -> StepLoss:
-        ids, cu, shares = rank_slice(batch, self.slice, self.batch_slices)
+        ids, cu, labels, shares = rank_slice(batch, self.slice, self.batch_slices)
         # pinned, non-blocking copies; cu_seqlens' host values go with it, so no layer reads it back
         ids, cu = place_tokens(ids, self.device), place_cu_seqlens(cu, self.device)
+        labels = ids if labels is None else place_tokens(labels, self.device)  # fine-tuning: -100 = no target
         C = self.dims.cp
         if C == 1:
-            out = model(ids, cu_seqlens=cu, labels=ids, mtp_weight=mtp_weight, return_logits=False)
+            out = model(ids, cu_seqlens=cu, labels=labels, mtp_weight=mtp_weight, return_logits=False)
             lm, mtp = out["lm_loss"], out.get("mtp_loss")
         else:
             T = ids.shape[1]
             n = -(-T // C)
             start, end = min(self.cp_rank * n, T), min((self.cp_rank + 1) * n, T)
             cp_loss = getattr(model, _CP_LOSS, None) or functools.partial(cp_model_loss, model)  # FSDP: registered
-            lm, mtp = cp_loss(ids, cu, start, end, self.cp_group, mtp=bool(mtp_weight))
+            lm, mtp = cp_loss(ids, cu, start, end, self.cp_group, mtp=bool(mtp_weight), labels_global=labels)
         lm = lm * (C * shares[1])  # exactly lm in one process (C = 1, shares 1.0)
         if mtp is None:
             return StepLoss(lm, self.mean(lm.detach()), None, batch["input_ids"].numel())

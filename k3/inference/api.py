@@ -21,6 +21,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int = 0  # how many top alternatives to report per token (0-5)
     ignore_eos: bool = False  # keep generating past the end-of-sequence token (benchmarks, tests)
+    draw_offset: int = 0  # the first token's index in the sampler's noise: a continued prompt (k3.post's partial
+    # rollouts) with the same seed and offset = tokens already drawn samples as if it had never stopped
 
     def __post_init__(self):
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -31,6 +33,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:  # false for nan too
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.draw_offset < 0:
+            raise ValueError(f"draw_offset must be >= 0, got {self.draw_offset}")
         if not 0 <= self.logprobs <= 5:
             raise ValueError(f"logprobs must be in [0, 5], got {self.logprobs}")
 

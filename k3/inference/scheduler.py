@@ -121,7 +121,7 @@ class Sequence:
 
     def sampling(self) -> SamplingRow:
         p = self.params
-        return SamplingRow(p.temperature, p.top_k, p.top_p, self.seed, self.generated, p.logprobs)
+        return SamplingRow(p.temperature, p.top_k, p.top_p, self.seed, p.draw_offset + self.generated, p.logprobs)
 
 
 class Scheduler:

@@ -18,7 +18,9 @@ Three chat formats, chosen by ``chat_template_for(tokenizer)``:
   in the training text. No tool calls.
 
 Every format gives ``prompt(tokenizer, messages, tools, tool_choice, reasoning_effort) -> ChatPrompt``: the ids
-and a parser that turns the streamed completion text into ``OutputEvent``s.
+and a parser that turns the streamed completion text into ``OutputEvent``s; ChatML and K3's format also give
+``completion_ids(tokenizer, message, thinking)``: the tokens the model writes for an assistant message after the
+prompt (the targets of fine-tuning, k3.post).
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ class ChatTemplate:
     generation_prompt: str = DEFAULT_GENERATION_PROMPT
     stop: tuple[str, ...] = DEFAULT_STOP
     supports_tools = False
+    supports_thinking = False
 
     def __post_init__(self):
         try:
@@ -132,6 +135,12 @@ class ChatTemplate:
     def prompt(self, tokenizer, messages, tools=None, tool_choice=None, reasoning_effort=None) -> ChatPrompt:
         return ChatPrompt(_encode(tokenizer, self.render(messages, tools, tool_choice, reasoning_effort)), PlainOutput())
 
+    def completion_ids(self, tokenizer, message: Mapping[str, Any], thinking: bool = False) -> list[int]:
+        """The tokens the model writes for the assistant ``message`` after ``prompt``: its content and the first
+        stop string (what ends generation). ``thinking`` is refused: the format has no thinking channel."""
+        _plain("ChatML", None, None, "thinking" if thinking else None)
+        return _encode(tokenizer, (message.get("content") or "") + self.stop[0])
+
 
 @dataclass(frozen=True)
 class JinjaChatTemplate:
@@ -143,6 +152,7 @@ class JinjaChatTemplate:
     bos_token: str | None = None
     eos_token: str | None = None
     tool_format: str | None = None  # "kimi_k2": the tokenizer has K2's tool-call tokens; None: no tool calls
+    supports_thinking = False
 
     @property
     def supports_tools(self) -> bool:
@@ -187,6 +197,10 @@ class JinjaChatTemplate:
         from .k2_tools import K2Output
 
         return ChatPrompt(ids, K2Output(tools_by_name(tools)))
+
+    def completion_ids(self, tokenizer, message, thinking: bool = False) -> list[int]:
+        raise ChatError("a Jinja chat template does not say how an assistant message ends, so k3 cannot build "
+                        "training targets in it; fine-tune with k3's tokenizer (ChatML) or K3's chat format")
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:

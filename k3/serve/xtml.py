@@ -102,6 +102,7 @@ class KimiK3Chat:
 
     stop: tuple[str, ...] = (END_OF_MSG,)
     supports_tools: bool = True
+    supports_thinking: bool = True
 
     def segments(self, messages: list[dict], tools: list[dict] | None = None, tool_choice: Any = None,
                  reasoning_effort: str | None = None) -> tuple[list[tuple[str, bool]], str]:
@@ -172,15 +173,33 @@ class KimiK3Chat:
                reasoning_effort: str | None = None) -> ChatPrompt:
         check_tool_choice(tools, tool_choice)
         seg, prefix = self.segments(messages, tools, tool_choice, reasoning_effort)
-        as_text = getattr(tokenizer, "encode_text", None)
-        ids: list[int] = []
-        for text, markup in seg:
-            if text:
-                ids += tokenizer.encode(text, add_special_tokens=False).ids if markup or as_text is None \
-                    else as_text(text)
+        ids = _encode_segments(tokenizer, seg)
         from .xtml_reply import K3Output
 
         parser = K3Output(tools_by_name(tools) if tools and tool_choice != "none" else {},
                           thinking=reasoning_effort is not None)
         parser.feed(prefix)  # the forced prefix is part of the assistant's message: nothing to emit yet
         return ChatPrompt(ids, parser)
+
+    def completion_ids(self, tokenizer, message: dict, thinking: bool = False) -> list[int]:
+        """The tokens the model writes for the assistant ``message`` after ``prompt``'s generation prompt, to the
+        end of the message: with ``thinking`` (the prompt had a ``reasoning_effort``) its ``reasoning_content`` in
+        the open think channel first, then the response and its tool calls."""
+        seg: list[tuple[str, bool]] = []
+        if thinking:
+            seg += [(message.get("reasoning_content") or "", False), (_close("think") + _open("response"), True)]
+        seg += [(message.get("content") or "", False), (_close("response"), True)]
+        if message.get("tool_calls"):
+            seg += render_tool_calls(message["tool_calls"])
+        seg.append((_close("message") + END_OF_MSG, True))
+        return _encode_segments(tokenizer, seg)
+
+
+def _encode_segments(tokenizer, seg: list[tuple[str, bool]]) -> list[int]:
+    """Markup with the special tokens, content as plain text (``encode_text``: it cannot forge structure)."""
+    as_text = getattr(tokenizer, "encode_text", None)
+    ids: list[int] = []
+    for text, markup in seg:
+        if text:
+            ids += tokenizer.encode(text, add_special_tokens=False).ids if markup or as_text is None else as_text(text)
+    return ids

@@ -1,7 +1,8 @@
 """The training loop: data -> K3ForCausalLM -> Muon/AdamW, Quantile Balancing, QK-clip, checkpoints (SPEC §4-§5).
 
-``train(TrainConfig(...))`` is what ``k3 train`` and ``k3 demo`` run. One optimiser step = ``grad_accum``
-micro-batches of ``batch_size`` packed sequences of ``seq_len`` tokens (documents delimited by cu_seqlens).
+``train(TrainConfig(...))`` is what ``k3 train``, ``k3 demo`` and ``k3 sft`` (chat data: k3.post.sft_data) run.
+One optimiser step = ``grad_accum`` micro-batches of ``batch_size`` packed sequences of ``seq_len`` tokens
+(documents delimited by cu_seqlens), taken by a ``Trainer`` (k3.train.trainer).
 """
 
 from __future__ import annotations
@@ -10,27 +11,20 @@ import dataclasses
 import json
 import math
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..checkpoint import load_pretrained
 from ..config import K3Config
 from ..data import PackedDataset
-from ..model.transformer import K3ForCausalLM
+from ..data.packing import count_targets
 from . import data as run_data
-from .balance import ExpertBalancer
-from .compile import compile_model
 from .interrupt import StopRequest, TrainingInterrupted
-from .memory import ActivationManager
 from .metrics import MetricsLog, Progress, moe_layer_labels, read_metrics
-from .optim import build_optimizer
 from .plan import TrainingPlan
-from .qk_clip import enable_max_logit_tracking, qk_clip_
-from .schedule import build_scheduler, resume_point
-from .state import check_resumable, find_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .state import check_resumable, find_checkpoint
+from .trainer import Trainer, build_model
 
 MIN_SEQ_LEN = 4  # shorter samples can hold no next-token or MTP target at all (the loss would be 0/0)
 # the smallest value of each integer setting (None, where allowed, means "all" / "never")
@@ -80,6 +74,7 @@ class TrainConfig:
     verify: bool = True  # check the checkpoint's SHA256SUMS before resuming from it
     qat: str | None = None  # "mxfp4": quantisation-aware training of the routed experts (SPEC §6)
     init_from: str | None = None  # start from this checkpoint's weights and tokenizer (fine-tuning, e.g. QAT)
+    chat: bool = False  # k3 sft: --data is JSONL of chat messages; the loss is on the assistant's tokens only
 
     def __post_init__(self):
         def need(ok: bool, name: str, what: str) -> None:
@@ -145,34 +140,37 @@ def _model_config(cfg: TrainConfig, tokenizer) -> K3Config:
 
 @torch.no_grad()
 def evaluate(model, dataset: PackedDataset, batch_size: int, max_batches: int, device, amp) -> float:
-    """Mean next-token loss over the first ``max_batches`` validation batches (token-weighted)."""
+    """Mean next-token loss over the first ``max_batches`` validation batches (token-weighted; only the targets
+    of batches with "labels")."""
     was = model.training
     model.eval()
     total, n = 0.0, 0
     for i, b in enumerate(dataset.eval_batches(batch_size)):
         if i >= max_batches:
             break
-        count = b["input_ids"].numel() - (b["cu_seqlens"].numel() - 1)  # positions predicting their own document
+        count = count_targets(b["cu_seqlens"], b.get("labels"), 1)  # positions predicting their own document
         if count == 0:  # a last, short batch of one-token segments: nothing to score
             continue
         ids, cu = b["input_ids"].to(device), b["cu_seqlens"].to(device)
+        labels = b["labels"].to(device) if "labels" in b else ids
         with amp:
-            loss = model(ids, cu_seqlens=cu, labels=ids, mtp_weight=0.0, return_logits=False)["lm_loss"]
+            loss = model(ids, cu_seqlens=cu, labels=labels, mtp_weight=0.0, return_logits=False)["lm_loss"]
         total, n = total + loss.item() * count, n + count
     model.train(was)
     return total / max(n, 1)
 
 
-def train(cfg: TrainConfig, plan: TrainingPlan | None = None, log=print) -> dict:
+def train(cfg: TrainConfig, plan: TrainingPlan | None = None, log=print, prepare=None) -> dict:
     """Run (or resume) training under ``plan``, the run's layout over processes (default, one process:
     ``k3.distributed.plan.ParallelPlan(ParallelDims(), cfg.device)``). In one process, Ctrl-C stops after the
-    current step with a checkpoint and raises TrainingInterrupted."""
+    current step with a checkpoint and raises TrainingInterrupted. ``prepare(cfg, run, resume_from, plan) ->
+    RunData``: the run's data (default ``k3.train.data.prepare``, text; ``k3.post.sft_data.prepare`` for chat)."""
     if plan is None:
         from ..distributed.plan import ParallelDims, ParallelPlan
 
         plan = ParallelPlan(ParallelDims(), resolve_device(cfg.device))
     with StopRequest(enabled=plan.world == 1) as stop:
-        return _train(cfg, plan, log, stop)
+        return _train(cfg, plan, log, stop, prepare or run_data.prepare)
 
 
 def _already_complete(run: Path, ckpt: Path, done: int, cfg: TrainConfig, log) -> dict:
@@ -184,7 +182,7 @@ def _already_complete(run: Path, ckpt: Path, done: int, cfg: TrainConfig, log) -
             "run": str(run), "params": info.get("params"), "already_complete": True}
 
 
-def _train(cfg: TrainConfig, plan: TrainingPlan, log, stop: StopRequest) -> dict:
+def _train(cfg: TrainConfig, plan: TrainingPlan, log, stop: StopRequest, prepare) -> dict:
     run = Path(cfg.out)
     rank, world = plan.rank, plan.world
     if world != cfg.dp * cfg.cp * cfg.ep:
@@ -197,58 +195,28 @@ def _train(cfg: TrainConfig, plan: TrainingPlan, log, stop: StopRequest) -> dict
     if rank != 0:
         log = _quiet
     resume_from = find_checkpoint(run)
+    saved_steps = None
     if resume_from is not None:
         done, saved_steps = check_resumable(resume_from, cfg.to_json(), cfg.verify)
         if done >= cfg.steps:
             return _already_complete(run, resume_from, done, cfg, log)
 
-    data = run_data.prepare(cfg, run, resume_from, plan)
+    data = prepare(cfg, run, resume_from, plan)
     train_set, val_set, entropy = data.train, data.val, data.unigram_entropy
     mcfg = _model_config(cfg, data.tokenizer)
 
     torch.manual_seed(cfg.seed)
-    if resume_from is not None:
-        if K3Config.from_hf(resume_from).eos_token_id is None:  # a run begun before eos_token_id was recorded
-            mcfg = mcfg.replace(eos_token_id=None)
-        model, state = load_checkpoint(resume_from, mcfg, verify=False)  # verified by check_resumable
-        model.to(device)
-    elif cfg.init_from:
-        model, state = load_pretrained(run_data.init_dir(cfg), config=mcfg, dtype=torch.float32).to(device), None
-    else:
-        model, state = K3ForCausalLM(mcfg).to(device), None
-    model.set_kda_backend(cfg.kda_backend)
-    if cfg.memory_policy == "recompute" and cfg.cp > 1:
-        raise ValueError("--memory-policy recompute (whole layers) does not apply under --cp, whose layers run through "
-                         "the context-parallel view; use --memory-policy efficient or offload there")
-    memory = ActivationManager(cfg.memory_policy)
-    memory.attach(model)
-    if cfg.compile:
-        compile_model(model)
-    model.train()
-    plan.shard(model)  # several processes: experts split, the rest FSDP2-sharded (k3.distributed.plan)
-    optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    resumed_at = None if state is None else resume_point(state, saved_steps, cfg.steps, cfg.warmup_frac,
-                                                         cfg.min_lr_ratio)
-    scheduler = build_scheduler(optimizer, cfg.steps, cfg.warmup_frac, cfg.min_lr_ratio, resumed_at)
-    balancer = ExpertBalancer(model, method=cfg.balance) if cfg.balance != "none" and mcfg.num_experts else None
-    if cfg.qk_clip_tau:
-        enable_max_logit_tracking(model)
-    step, tokens = 0, 0
+    model, state = build_model(mcfg, device, resume_from, None if resume_from else run_data.init_dir(cfg))
+    trainer = Trainer(cfg, plan, model, state, saved_steps, log)
     if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        if balancer is not None:
-            balancer.load_state_dict(state["balancer"])
         train_set.load_state_dict(state["data"])
-        set_rng_state(state["rng"])
-        step, tokens = state["step"], state["tokens"]
-        log(f"resumed from {resume_from} at step {step}")
+        log(f"resumed from {resume_from} at step {trainer.step_count}")
+    step = trainer.step_count
     metrics = MetricsLog(run / "metrics.jsonl", truncate_after_step=step if state is not None else None) \
         if rank == 0 else None
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"k3 train: {n_params / 1e6:.2f}M params on {device}; {len(train_set)} train / {len(val_set)} val sequences "
-        f"of {cfg.seq_len} tokens; val unigram entropy {entropy:.3f} nats/token")
+    log(f"k3 {'sft' if cfg.chat else 'train'}: {n_params / 1e6:.2f}M params on {device}; {len(train_set)} train / {len(val_set)} val "
+        f"sequences of {cfg.seq_len} tokens; val unigram entropy {entropy:.3f} nats/token")
     if rank == 0:
         (run / "run_info.json").write_text(json.dumps({"params": n_params, "unigram_entropy_nats": entropy,
                                                        "train_sequences": len(train_set), "val_sequences": len(val_set),
@@ -258,74 +226,27 @@ def _train(cfg: TrainConfig, plan: TrainingPlan, log, stop: StopRequest) -> dict
     batches = train_set.batches(cfg.batch_size * plan.batch_slices)  # the global batch; the plan splits it
     progress = Progress(cfg.steps) if rank == 0 else None
     last = {}
-    t_last, tok_last = time.time(), tokens
+    t_last, tok_last = time.time(), trainer.tokens
     end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
     stopping = False
     stop.arm()
     while step < end:
-        loss_sum, mtp_sum = 0.0, 0.0
         logging = (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps
-        for i in range(cfg.grad_accum):
-            with amp, memory.forward(measure=logging and i == 0) as saved:
-                loss, lm, mtp, n = plan.loss(model, next(batches), cfg.mtp_weight)
-            if i == 0:
-                first_saved = saved
-            (loss / cfg.grad_accum).backward()
-            loss_sum += lm / cfg.grad_accum
-            mtp_sum += (mtp if mtp is not None else 0.0) / cfg.grad_accum
-            if balancer is not None:
-                balancer.observe()
-            tokens += n
-        plan.reduce_grads(model)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        # one read of the device per step, once the optimizer's kernels are queued behind the backward's (a read
-        # before them would leave the device idle while the host launches them); a non-finite loss stops the run
-        # before anything of this step is saved
-        loss_sum, mtp_sum, grad_norm = (float(x) for x in (loss_sum, mtp_sum, grad_norm))
-        if not math.isfinite(loss_sum):
-            raise FloatingPointError(f"loss became {loss_sum} at step {step}; lower --lr or check the data")
-        if cfg.qk_clip_tau:
-            plan.sync_max_logits(model)
-        clipped = qk_clip_(model, cfg.qk_clip_tau) if cfg.qk_clip_tau else 0
-        load = balancer.step() if balancer is not None else None
-        step += 1
-        rec = {"step": step, "loss": loss_sum, "lr": lr, "tokens": tokens, "grad_norm": grad_norm}
-        if logging:  # what the first micro-batch's forward left for its backward on the device (k3.train.memory)
-            rec["saved_activation_bytes"] = first_saved.kept_bytes
-        if mtp_sum:
-            rec["mtp_loss"] = mtp_sum
-        if load is not None:
-            rec["load_max_over_mean"] = load["load_max_over_mean"]
-            rec["load_per_layer"] = load["per_layer"]
-        if clipped:
-            rec["qk_clipped_heads"] = clipped
+        rec = trainer.step([next(batches) for _ in range(cfg.grad_accum)], measure=logging)
+        step = rec["step"]
         if step % cfg.eval_every == 0 or step == cfg.steps:
             rec["val_loss"] = evaluate(model, val_set, cfg.batch_size * plan.batch_slices, cfg.eval_batches, device,
-                                       amp)
+                                       trainer.amp)
         if (step % cfg.log_every == 0 or "val_loss" in rec or step == cfg.steps) and rank == 0:
             now = time.time()
-            rec["tokens_per_s"] = (tokens - tok_last) / max(now - t_last, 1e-9)
-            t_last, tok_last = now, tokens
+            rec["tokens_per_s"] = (trainer.tokens - tok_last) / max(now - t_last, 1e-9)
+            t_last, tok_last = now, trainer.tokens
             metrics.write(rec)
             progress.update(step, rec, force="val_loss" in rec)
         last = rec
         stopping = stop.requested and step < end  # read once: the checkpoint is of the step the run stops at
         if step % cfg.save_every == 0 or step == end or stopping:
-            trainer = {"scheduler": scheduler.state_dict(), "step": step, "tokens": tokens, "rng": rng_state(),
-                       "balancer": balancer.state_dict() if balancer is not None else None,
-                       "data": train_set.state_dict(),
-                       "schedule": {"total_steps": cfg.steps, "resumed_at": resumed_at}}
-            if world == 1:
-                save_checkpoint(run, model, run / "tokenizer.json", {**trainer, "optimizer": optimizer.state_dict()},
-                                cfg.to_json())
-            else:
-                save_checkpoint(run, model, run / "tokenizer.json", trainer, cfg.to_json(),
-                                model_state=plan.full_state(model), optimizer_shard=optimizer.state_dict())
+            trainer.save(run, run / "tokenizer.json", {"data": train_set.state_dict()}, cfg.to_json())
         if stopping:
             break
     if progress is not None:

@@ -1,0 +1,151 @@
+"""What every training command shares (SPEC §4-§5, §8): the model laid out by a parallel plan, Muon/AdamW, the
+cosine schedule, Quantile Balancing, QK-clip, gradient clipping, the activation memory policy, and checkpoints.
+
+``k3 train`` / ``k3 sft`` (k3.train.loop) and ``k3 rl`` / ``k3 distill`` (k3.post) differ only in where their
+micro-batches come from and which loss they take of them:
+
+    trainer = Trainer(cfg, plan, model, state, saved_steps, log)     # state: a checkpoint's trainer_state or None
+    rec = trainer.step(micro_batches, loss_fn)   # loss_fn(model, batch) -> StepLoss; one optimiser step
+    trainer.save(run, tokenizer_path, extra, config_json)   # atomic RUN/checkpoint; extra: the caller's own state
+
+``rec`` holds the step's loss (the micro-batches' mean of ``StepLoss.lm_loss``), lr, tokens, gradient norm, MTP
+loss, expert load and QK-clip count, as ``k3 train`` logs them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import load_pretrained
+from ..config import K3Config
+from ..model.transformer import K3ForCausalLM
+from .balance import ExpertBalancer
+from .compile import compile_model
+from .memory import ActivationManager
+from .optim import build_optimizer
+from .plan import StepLoss
+from .qk_clip import enable_max_logit_tracking, qk_clip_
+from .schedule import build_scheduler, resume_point
+from .state import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+
+__all__ = ["Trainer", "build_model"]
+
+
+def build_model(mcfg: K3Config, device, resume_from: Path | None = None, init_dir: Path | None = None):
+    """-> (model on ``device``, the checkpoint's trainer state or None): resumed from a run's checkpoint (verified
+    by ``check_resumable`` before), the weights of ``init_dir`` (fine-tuning), or a fresh initialisation."""
+    if resume_from is not None:
+        if K3Config.from_hf(resume_from).eos_token_id is None:  # a run begun before eos_token_id was recorded
+            mcfg = mcfg.replace(eos_token_id=None)
+        model, state = load_checkpoint(resume_from, mcfg, verify=False)
+        return model.to(device), state
+    if init_dir is not None:
+        return load_pretrained(init_dir, config=mcfg, dtype=torch.float32).to(device), None
+    return K3ForCausalLM(mcfg).to(device), None
+
+
+class Trainer:
+    """The optimiser side of a run (see the module docstring). ``cfg`` is a ``TrainConfig`` (its optimiser,
+    schedule, balancing, QK-clip, memory and compile fields); ``state`` a checkpoint's trainer state to resume
+    (optimiser, schedule, balancer, RNG, step, tokens), ``saved_steps`` that run's --steps."""
+
+    def __init__(self, cfg, plan, model, state: dict | None = None, saved_steps: int | None = None, log=print):
+        self.cfg, self.plan, self.model = cfg, plan, model
+        model.set_kda_backend(cfg.kda_backend)
+        if cfg.memory_policy == "recompute" and cfg.cp > 1:
+            raise ValueError("--memory-policy recompute (whole layers) does not apply under --cp, whose layers run "
+                             "through the context-parallel view; use --memory-policy efficient or offload there")
+        self.memory = ActivationManager(cfg.memory_policy)
+        self.memory.attach(model)
+        if cfg.compile:
+            compile_model(model)
+        model.train()
+        plan.shard(model)  # several processes: experts split, the rest FSDP2-sharded (k3.distributed.plan)
+        self.optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.resumed_at = None if state is None else resume_point(state, saved_steps, cfg.steps, cfg.warmup_frac,
+                                                                  cfg.min_lr_ratio)
+        self.scheduler = build_scheduler(self.optimizer, cfg.steps, cfg.warmup_frac, cfg.min_lr_ratio, self.resumed_at)
+        has_experts = bool(model.config.num_experts)
+        self.balancer = ExpertBalancer(model, method=cfg.balance) if cfg.balance != "none" and has_experts else None
+        if cfg.qk_clip_tau:
+            enable_max_logit_tracking(model)
+        self.step_count, self.tokens = 0, 0
+        if state is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            if self.balancer is not None:
+                self.balancer.load_state_dict(state["balancer"])
+            set_rng_state(state["rng"])
+            self.step_count, self.tokens = state["step"], state["tokens"]
+        device = plan.device
+        self.amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+    def default_loss(self, model, batch: dict) -> StepLoss:
+        """Next-token (+ MTP) cross-entropy of a packed batch (its "labels", -100 = no target, when it has them)."""
+        return self.plan.loss(model, batch, self.cfg.mtp_weight)
+
+    def step(self, micro_batches: Sequence[dict], loss_fn: Callable[..., StepLoss] | None = None,
+             measure: bool = False) -> dict:
+        """One optimiser step over ``micro_batches`` (gradients accumulated, each micro-batch's loss divided by
+        their number). ``measure``: record what the first micro-batch's forward saved for the backward."""
+        loss_fn = loss_fn or self.default_loss
+        model, n = self.model, len(micro_batches)
+        loss_sum, mtp_sum, first_saved = 0.0, 0.0, None
+        for i, batch in enumerate(micro_batches):
+            with self.amp, self.memory.forward(measure=measure and i == 0) as saved:
+                loss, lm, mtp, tokens = loss_fn(model, batch)
+            if i == 0:
+                first_saved = saved
+            (loss / n).backward()
+            loss_sum += lm / n
+            mtp_sum += (mtp if mtp is not None else 0.0) / n
+            if self.balancer is not None:
+                self.balancer.observe()
+            self.tokens += tokens
+        self.plan.reduce_grads(model)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.grad_clip)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # one read of the device per step, once the optimizer's kernels are queued behind the backward's (a read
+        # before them would leave the device idle while the host launches them); a non-finite loss stops the run
+        # before anything of this step is saved
+        loss_sum, mtp_sum, grad_norm = (float(x) for x in (loss_sum, mtp_sum, grad_norm))
+        if not math.isfinite(loss_sum):
+            raise FloatingPointError(f"loss became {loss_sum} at step {self.step_count}; lower --lr or check the data")
+        if self.cfg.qk_clip_tau:
+            self.plan.sync_max_logits(model)
+        clipped = qk_clip_(model, self.cfg.qk_clip_tau) if self.cfg.qk_clip_tau else 0
+        load = self.balancer.step() if self.balancer is not None else None
+        self.step_count += 1
+        rec = {"step": self.step_count, "loss": loss_sum, "lr": lr, "tokens": self.tokens, "grad_norm": grad_norm}
+        if measure:  # what the first micro-batch's forward left for its backward on the device (k3.train.memory)
+            rec["saved_activation_bytes"] = first_saved.kept_bytes
+        if mtp_sum:
+            rec["mtp_loss"] = mtp_sum
+        if load is not None:
+            rec["load_max_over_mean"] = load["load_max_over_mean"]
+            rec["load_per_layer"] = load["per_layer"]
+        if clipped:
+            rec["qk_clipped_heads"] = clipped
+        return rec
+
+    def save(self, run: Path, tokenizer_path: Path, extra: dict, config_json: dict) -> Path:
+        """Write RUN/checkpoint atomically (collective under several processes): the model, the tokenizer and the
+        trainer state (optimiser, schedule, balancer, RNG, step, tokens) plus ``extra`` (the caller's own: a data
+        cursor, rollout buffers, ...)."""
+        state = {"scheduler": self.scheduler.state_dict(), "step": self.step_count, "tokens": self.tokens,
+                 "rng": rng_state(), "balancer": self.balancer.state_dict() if self.balancer is not None else None,
+                 "schedule": {"total_steps": self.cfg.steps, "resumed_at": self.resumed_at}, **extra}
+        if self.plan.world == 1:
+            return save_checkpoint(run, self.model, tokenizer_path, {**state, "optimizer": self.optimizer.state_dict()},
+                                   config_json)
+        return save_checkpoint(run, self.model, tokenizer_path, state, config_json,
+                               model_state=self.plan.full_state(self.model), optimizer_shard=self.optimizer.state_dict())

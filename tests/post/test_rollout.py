@@ -1,0 +1,91 @@
+"""Rollouts through the engine: recorded log-probs are the policy's; partial rollout over several steps gives the
+same trajectories and the same gradient as finishing them in one go (frozen policy)."""
+
+import torch
+
+from k3.config import K3Config
+from k3.model.transformer import K3ForCausalLM
+from k3.post.batch import pack, score, token_logprobs
+from k3.post.format import ChatFormat
+from k3.post.objective import policy_loss
+from k3.post.rollout import Rollout, Trajectory
+
+
+def tiny(tok, seed=0):
+    torch.manual_seed(seed)
+    return K3ForCausalLM(K3Config.preset("tiny").replace(vocab_size=tok.get_vocab_size())).eval()
+
+
+def prompts(tok):
+    fmt = ChatFormat(tok)
+    return fmt, [fmt.prompt_ids([{"role": "user", "content": f"What is {a} + {b}?"}], e)
+                 for a, b, e in ((1, 2, "low"), (3, 4, "max"), (5, 6, "high"))]
+
+
+def trajectories(ps, G=2):
+    return [Trajectory(g, p, seed=100 * g + i) for g, p in enumerate(ps) for i in range(G)]
+
+
+def grads(model, trajs):
+    model.zero_grad()
+    adv = [[1.0 - 0.5 * i] * len(t.tokens) for i, t in enumerate(trajs)]
+    batches = pack(trajs, adv, 64, 1.0)
+    n = sum(len(t.tokens) for t in trajs)
+    for b in batches:
+        loss, _ = policy_loss(token_logprobs(model, b), b["sampled_logp"], b["adv"], 0.2, 0.28, n)
+        loss.backward()
+    return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def test_partial_rollout_equals_finishing_first(chat_tokenizer):
+    tok = chat_tokenizer
+    model = tiny(tok)
+    fmt, ps = prompts(tok)
+    whole = trajectories(ps)
+    Rollout(model, tok, fmt.stop, 14, version=0).round(whole)
+    parts = trajectories(ps)
+    rounds = 0
+    while not all(t.done for t in parts):  # one Rollout per "step": the frozen policy at versions 0, 1, 2, ...
+        Rollout(model, tok, fmt.stop, 14, version=rounds).round(parts, chunk=3)
+        rounds += 1
+    assert rounds == 5  # 14 tokens in chunks of 3
+    assert [t.versions for t in parts][0] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4]
+    for a, b in zip(whole, parts):
+        assert a.tokens == b.tokens and a.finish == b.finish and a.text == b.text
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    ga, gb = grads(model, whole), grads(model, parts)
+    assert ga.keys() == gb.keys() and len(ga) > 10
+    for k in ga:
+        torch.testing.assert_close(ga[k], gb[k], atol=1e-6, rtol=1e-4)
+
+
+def test_recorded_logprobs_are_the_training_forwards(chat_tokenizer):
+    tok = chat_tokenizer
+    model = tiny(tok, seed=1)
+    fmt, ps = prompts(tok)
+    trajs = trajectories(ps, G=3)
+    Rollout(model, tok, fmt.stop, 10, version=0).round(trajs)
+    scored = score(model, trajs, 40)  # micro-batches of several documents: the packing keeps them apart
+    for t, s in zip(trajs, scored):
+        assert len(s) == len(t.tokens) == 10
+        torch.testing.assert_close(torch.tensor(s), torch.tensor(t.logprobs), atol=1e-4, rtol=0)
+
+
+def test_a_stop_string_split_over_chunks_ends_the_reply_after_it(chat_tokenizer):
+    """The stop string is looked for in the whole reply: one completed by a later chunk cuts the reply right
+    after the token that completes it, as the engine does for a reply written in one go."""
+    tok = chat_tokenizer
+    fmt, _ = prompts(tok)
+    reply = tok.encode("4<|im_end|>").ids
+    extra = tok.encode("xyz").ids
+    r = Rollout.__new__(Rollout)
+    r.tokenizer, r.stop, r.max_tokens = tok, fmt.stop, 50
+    for before in range(len(reply)):  # the chunk boundary anywhere inside the reply
+        t = Trajectory(0, [1], 0, tokens=reply + extra, logprobs=[-1.0] * (len(reply) + len(extra)),
+                       versions=[0] * (len(reply) + len(extra)))
+        r._settle(t, before, "length")
+        assert t.tokens == reply and len(t.logprobs) == len(t.versions) == len(reply)
+        assert (t.finish, t.text) == ("stop", "4")
+    t = Trajectory(0, [1], 0, tokens=extra, logprobs=[-1.0] * len(extra), versions=[0] * len(extra))
+    r._settle(t, 0, "length")
+    assert not t.done  # a chunk limit without a stop string: carried over

@@ -241,9 +241,10 @@ def test_an_engine_failure_ends_every_request_with_its_reason(tok, monkeypatch):
         raise IndexError("index 4096 is out of bounds for dimension 0 with size 300")
 
     monkeypatch.setattr(eng.runner, "execute", broken)
-    eng.start()
     try:
+        # all three queued before the loop starts: a submission after the failure is refused (below), not ended
         handles = [eng.submit(GenerationRequest((1, 2, 3), SamplingParams(max_tokens=4))) for _ in range(3)]
+        eng.start()
         for h in handles:
             fin = list(h)[-1]  # never a hang
             assert fin.reason == "error" and "IndexError: index 4096" in fin.error

@@ -140,6 +140,8 @@ class Engine:
         seed = req.params.seed if req.params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         max_tokens = req.params.max_tokens or self.max_context - n
         with self._lock:
+            if self.failed:  # the loop failed since the check above: it will never finish this request
+                raise EngineFailed(f"the engine failed and serves no more requests: {self.failed}")
             arrival = self.scheduler.next_arrival()
             rid = req.request_id or f"req-{arrival}"
             if rid in self.seqs:

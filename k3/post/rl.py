@@ -81,7 +81,6 @@ class RLConfig:
         need(bool(self.tasks) and bool(self.efforts), "tasks", "and efforts must be non-empty")
         for e in self.efforts:
             check_effort(e)
-        need(not self.teachers or self.samples >= 1, "teachers", "need samples >= 1")
         need(self.train.init_from is not None, "train", "needs init_from: RL starts from an SFT checkpoint")
         need(self.train.dp == self.train.cp == self.train.ep == 1, "train",
              "runs in one process: dp, cp and ep must be 1")

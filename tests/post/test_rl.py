@@ -100,3 +100,17 @@ def test_partial_rollout_carries_replies_across_steps_and_resumes(tmp_path, stop
     rl_train(config(tmp_path, stopping_ckpt, "cb", **kw), log=lambda *x: None)  # resumes with the carried replies
     strip = lambda r: {k: v for k, v in r.items() if k not in TIMING}  # noqa: E731
     assert [strip(r) for r in recs] == [strip(r) for r in read_metrics(b.train.out)]
+
+
+def test_rl_and_distill_cli(tmp_path, sft_ckpt, capsys):
+    from k3.cli import main
+
+    common = ["--init-from", str(sft_ckpt), "--steps", "1", "--tasks", "sorting", "--efforts", "low",
+              "--samples", "2", "--prompts", "1", "--max-tokens", "6", "--eval-every", "1", "--eval-problems", "2"]
+    assert main(["rl", "--out", str(tmp_path / "rl"), "--budget-prompts", "2", "--tau", "low=0.25", *common]) == 0
+    [rec] = read_metrics(tmp_path / "rl")
+    assert rec["tau/low"] == 0.25 and "eval_accuracy/sorting/low" in rec
+    assert main(["distill", "--out", str(tmp_path / "d"), "--teacher", f"sorting:low={sft_ckpt}", *common]) == 0
+    assert "checkpoint in" in capsys.readouterr().out
+    assert main(["distill", "--out", str(tmp_path / "e"), "--teacher", "sorting=x", *common]) == 1
+    assert "TASK:EFFORT=CHECKPOINT" in capsys.readouterr().err

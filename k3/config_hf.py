@@ -166,26 +166,22 @@ def _read_rope(d: dict) -> None:
     interleaved pairs, plainly or with YaRN: any other scaling would attend differently, so it is refused rather
     than ignored (by K3Config's check)."""
     params = dict(d.pop("rope_parameters", None) or {})
-    scaling = d.get("rope_scaling")
-    kind = params.get("rope_type", (scaling or {}).get("rope_type", (scaling or {}).get("type", "default")))
+    theta = params.pop("rope_theta", None)
+    scaling = d.get("rope_scaling") or {}
+    kind = params.pop("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
     if kind == "default":
         d["rope_scaling"] = None
     elif params:  # transformers 5's form -> the release's
-        theta = params.pop("rope_theta", None)
-        params.pop("rope_type", None)
-        _need(scaling is None or {k: v for k, v in scaling.items() if k not in ("type", "rope_type")} == params,
+        _need(not scaling or {k: v for k, v in scaling.items() if k not in ("type", "rope_type")} == params,
               "rope_scaling and rope_parameters disagree")
         d["rope_scaling"] = {"type": kind, **params}
-        if theta is not None:
-            params["rope_theta"] = theta
     _need(d.pop("rope_interleave", True), "rope_interleave = false is not implemented: k3 rotates interleaved pairs, "
                                           "as DeepSeek-V3 and Kimi K2 do")
     _need(d.get("moe_layer_freq", 1) == 1, f"moe_layer_freq = {d.get('moe_layer_freq')}: k3 builds an MoE in every "
                                            "layer after the first_k_dense_replace dense ones (moe_layer_freq 1)")
-    if "rope_theta" in params:
-        _need(d.get("rope_theta", params["rope_theta"]) == params["rope_theta"],
-              "rope_theta and rope_parameters.rope_theta disagree")
-        d["rope_theta"] = params["rope_theta"]
+    if theta is not None:
+        _need(d.get("rope_theta", theta) == theta, "rope_theta and rope_parameters.rope_theta disagree")
+        d["rope_theta"] = theta
 
 
 def _check_derived(d: dict, kw: dict) -> None:

@@ -277,12 +277,10 @@ class Scheduler:
         """Advance the sequences the plan ran (those still open); publish their completed blocks and checkpoints.
         Called once the tokens the plan fed are all on the host (an in-flight token fed by a decode has been
         delivered), so block hashes see real tokens."""
-        for it in plan.prefill:
-            if it.seq_id in seqs and it.start == seqs[it.seq_id].num_computed:
-                self._advance(seqs[it.seq_id], len(it.tokens))
-        for it in plan.decode:
-            if it.seq_id in seqs and it.position == seqs[it.seq_id].num_computed:
-                self._advance(seqs[it.seq_id], 1)
+        for it in [*plan.prefill, *plan.decode]:
+            seq = seqs.get(it.seq_id)  # None: finished by the tokens delivered since the plan was launched
+            if seq is not None:
+                self._advance(seq, len(it.tokens) if isinstance(it, PrefillItem) else 1)
 
     def _advance(self, seq: Sequence, n: int) -> None:
         seq.num_computed += n

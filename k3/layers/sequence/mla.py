@@ -25,7 +25,7 @@ from ...config import K3Config
 from ...ops.varlen import GROUP_OVERHEAD, cached_plan, grouped_documents
 from ..fuse import fuse_linears, use_fused
 from ..norm import RMSNorm
-from .rope import rotary, softmax_scale
+from .rope import rope_frequencies, rotary, softmax_scale
 
 
 class MLAInputs(NamedTuple):
@@ -178,8 +178,8 @@ class GatedMLA(nn.Module):
         q_nope, q_pe = q.view(B, T, self.num_heads, self.nope + self.pe).split([self.nope, self.pe], dim=-1)
         c_kv, k_pe = kv.split([self.rank, self.pe], dim=-1)
         if self.use_rope:
-            q_pe = rotary(q_pe, positions, self.rope_theta, self.rope_scaling)
-            k_pe = rotary(k_pe, positions, self.rope_theta, self.rope_scaling)
+            freqs = rope_frequencies(self.pe, self.rope_theta, self.rope_scaling, x.device)  # shared by q and k
+            q_pe, k_pe = rotary(q_pe, positions, freqs), rotary(k_pe, positions, freqs)
         return MLAInputs(q_nope, q_pe, self.kv_a_layernorm(c_kv), k_pe, gate)
 
     def output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:

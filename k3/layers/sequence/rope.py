@@ -61,9 +61,10 @@ def softmax_scale(qk_head_dim: int, scaling: dict | None) -> float:
     return scale
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float, scaling: dict | None = None) -> torch.Tensor:
-    """Interleaved-pair RoPE on the last dim. x [B,T,*,Dr], positions [B,T] -> x rotated (x's dtype)."""
-    inv, a = rope_frequencies(x.shape[-1], theta, scaling, x.device)
+def rotary(x: torch.Tensor, positions: torch.Tensor, freqs: tuple[torch.Tensor, float]) -> torch.Tensor:
+    """Interleaved-pair RoPE on the last dim. x [B,T,*,Dr], positions [B,T], freqs = ``rope_frequencies(Dr, ...)``
+    -> x rotated (x's dtype)."""
+    inv, a = freqs
     ang = positions.float()[..., None] * inv  # [B,T,Dr/2]
     while ang.dim() < x.dim():
         ang = ang.unsqueeze(-2)

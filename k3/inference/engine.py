@@ -121,8 +121,6 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------------------------
     def submit(self, req: GenerationRequest) -> RequestHandle:
-        if self.failed:
-            raise EngineFailed(f"the engine failed and serves no more requests: {self.failed}")
         n = len(req.prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty: give at least one token")
@@ -140,7 +138,7 @@ class Engine:
         seed = req.params.seed if req.params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         max_tokens = req.params.max_tokens or self.max_context - n
         with self._lock:
-            if self.failed:  # the loop failed since the check above: it will never finish this request
+            if self.failed:  # checked under the lock the loop fails under: a request queued now would never finish
                 raise EngineFailed(f"the engine failed and serves no more requests: {self.failed}")
             arrival = self.scheduler.next_arrival()
             rid = req.request_id or f"req-{arrival}"

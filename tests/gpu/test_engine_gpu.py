@@ -1,10 +1,16 @@
-"""The engine on a GPU (bf16, fla-core's kernels, our Triton decode kernels): the CUDA-graph runner (compiled)
-equals the eager runner and the model's own forward over the whole sequence, step by step with the same tokens
-fed to both (teacher forcing), at mixed context lengths; and a whole graph-captured generation runs to the end.
+"""The engine on a GPU (fla-core's kernels, our Triton decode kernels): the CUDA-graph runner (compiled) equals the
+eager runner and the model's own forward over the whole sequence, step by step with the same tokens fed to both
+(teacher forcing), at mixed context lengths; a whole graph-captured generation runs to the end; asynchronous
+scheduling gives the synchronous tokens.
 
-Tolerances (bf16 weights and activations): relative RMS of the logits 3e-2 against the full forward (different
-kernels and summation orders, chunked vs recurrent KDA), 1e-2 between the graph and the eager runner (the same
-kernels, compiled or not); the argmax agrees on >= 90% of rows."""
+The exactness test runs in float32 with IEEE matmuls (test_engine_parts_gpu.py says why not bf16: a random MoE
+routes on near-ties): relative RMS of the logits within 1e-3 against the full forward (chunked vs recurrent KDA,
+paged vs dense MLA), 1e-4 between the graph and the eager runner. The other two run in bf16, the serving dtype."""
+
+import copy
+import os
+
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")  # Triton's fp32 tl.dot as IEEE fp32, not TF32
 
 import pytest
 import torch
@@ -26,8 +32,9 @@ def setup():
     tok = train_tokenizer(["def f(x):\n    return x\n", "import os\n"] * 30, 300)
     torch.manual_seed(0)
     cfg = K3Config.preset("small").replace(vocab_size=4096, num_nextn_predict_layers=0)
-    model = K3ForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
-    return tok, model
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    model = K3ForCausalLM(cfg).to("cuda").eval()
+    return tok, model, copy.deepcopy(model).to(torch.bfloat16)  # (tokenizer, fp32 model, bf16 model)
 
 
 def _engines(tok, model):
@@ -39,7 +46,7 @@ def _engines(tok, model):
 
 @torch.no_grad()
 def test_graph_runner_equals_eager_runner_and_the_full_forward(setup):
-    tok, model = setup
+    tok, model, _ = setup
     graph, eager = _engines(tok, model)
     assert graph.runner.use_graphs and not eager.runner.use_graphs
     g = torch.Generator().manual_seed(0)
@@ -66,9 +73,9 @@ def test_graph_runner_equals_eager_runner_and_the_full_forward(setup):
         print(f"step {step}: graph/eager {_rel(lg, le):.2e}, graph/full "
               f"{max(_rel(lg[b], r) for b, r in enumerate(refs)):.2e}, eager/full "
               f"{max(_rel(le[b], r) for b, r in enumerate(refs)):.2e}", flush=True)
-        assert _rel(lg, le) < 1e-2
+        assert _rel(lg, le) < 1e-4
         for b, ref in enumerate(refs):
-            assert _rel(lg[b], ref) < 3e-2, (step, b)
+            assert _rel(lg[b], ref) < 1e-3, (step, b)
             agree += int(lg[b].argmax() == ref.argmax())
             total += 1
         nxt = lg.argmax(-1).tolist()
@@ -76,13 +83,13 @@ def test_graph_runner_equals_eager_runner_and_the_full_forward(setup):
             eng.scheduler.update(plan, eng.seqs)
             for it, t in zip(plan.decode, nxt):
                 eng.seqs[it.seq_id].tokens.append(t)
-    assert agree >= 0.9 * total
+    assert agree >= 0.95 * total  # argmax: a near-tie of two logits may still go either way
     for eng in (graph, eager):
         eng.stop()
 
 
 def test_a_graph_captured_generation_runs_to_the_end_and_frees_its_pages(setup):
-    tok, model = setup
+    tok, _, model = setup
     eng = Engine(model, tok, EngineConfig(num_pages=256, page_tokens=256, hash_block=256, step_tokens=2048,
                                           max_batch=8))
     assert eng.runner.use_graphs
@@ -98,7 +105,7 @@ def test_a_graph_captured_generation_runs_to_the_end_and_frees_its_pages(setup):
 def test_asynchronous_scheduling_on_the_gpu_gives_the_synchronous_tokens(setup):
     """Under CUDA graphs, planning step n+1 while step n runs (decode tokens read from the device, results through
     pinned memory) gives the same greedy and seeded tokens as reading every step's results first."""
-    tok, model = setup
+    tok, _, model = setup
     g = torch.Generator().manual_seed(2)
     ps = [torch.randint(5, 4000, (n,), generator=g).tolist() for n in (7, 260, 900, 33)]
     # one length for all: both modes then run the same batch shapes (async adds only a last step of finished

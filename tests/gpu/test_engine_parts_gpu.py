@@ -1,6 +1,15 @@
-"""The engine's parts on a GPU, each against the model's own forward over the whole sequence (bf16: relative RMS
-of the logits within 3e-2), with fla-core's kernels and with the reference kernels on the same GPU, so that a
-disagreement names its part: the packed prefill of several prompts, then eager decode steps."""
+"""The engine's parts on a GPU, each against the model's own forward over the whole sequence, with fla-core's
+kernels and with the reference kernels on the same GPU, so that a disagreement names its part: the packed prefill
+of several prompts, then eager decode steps.
+
+In float32 with IEEE matmuls (no TF32), relative RMS of the logits within 1e-3. Not in bf16: a randomly
+initialised MoE routes on near-ties (the 4th and 5th expert scores differ by ~0.01), so bf16 rounding alone picks
+other experts for 7% of the tokens of the first MoE layer and ~40% by the fourth, and two bf16 computations of the
+same forward (full vs packed) differ by 0.3-0.8 relative RMS: the test could not tell a bug from rounding."""
+
+import os
+
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")  # Triton's fp32 tl.dot as IEEE fp32, not TF32
 
 import pytest
 import torch
@@ -24,7 +33,8 @@ def test_prefill_then_eager_decode_match_the_full_forward(backend):
     tok = train_tokenizer(["def f(x):\n    return x\n", "import os\n"] * 30, 300)
     torch.manual_seed(0)
     model = K3ForCausalLM(K3Config.preset("small").replace(vocab_size=4096, num_nextn_predict_layers=0))
-    model = model.to("cuda", torch.bfloat16).eval()
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    model = model.to("cuda", torch.float32).eval()
     model.set_kda_backend(backend)
     eng = Engine(model, tok, EngineConfig(num_pages=256, page_tokens=256, hash_block=256, prefill_chunk=4096,
                                           step_tokens=8192, max_batch=8, prefix_cache=False, cuda_graphs=False))
@@ -53,4 +63,4 @@ def test_prefill_then_eager_decode_match_the_full_forward(backend):
         print(f"{backend} decode step {step}: " + ", ".join(f"{e:.1e}" for e in row), flush=True)
         worst.append(max(row))
     eng.stop()
-    assert max(errs) < 3e-2 and max(worst) < 3e-2, (errs, worst)
+    assert max(errs) < 1e-3 and max(worst) < 1e-3, (errs, worst)

@@ -20,13 +20,13 @@ import os
 
 import torch
 
-__all__ = ["expert_decode", "decode_applies", "DECODE_ROWS"]
+__all__ = ["expert_decode", "decode_applies", "DECODE_ROWS", "triton_available"]
 
 # most routed rows (tokens x k) for the fused path; more rows reuse each expert's weights enough for grouped GEMMs
 DECODE_ROWS = int(os.environ.get("K3_MOE_DECODE_ROWS", "256"))
 
 
-def _triton() -> bool:
+def triton_available() -> bool:
     try:
         import triton  # noqa: F401
     except Exception:  # noqa: BLE001 - no triton (or no driver): the grouped path serves
@@ -36,7 +36,7 @@ def _triton() -> bool:
 
 def decode_applies(z: torch.Tensor, idx: torch.Tensor) -> bool:
     """The fused path runs: CUDA, no gradient needed, at most DECODE_ROWS routed rows, Triton importable."""
-    return z.is_cuda and not torch.is_grad_enabled() and idx.numel() <= DECODE_ROWS and _triton()
+    return z.is_cuda and not torch.is_grad_enabled() and idx.numel() <= DECODE_ROWS and triton_available()
 
 
 def expert_decode(z, weights, idx, w1, w3, w2, act: str, b1: float, b2: float) -> torch.Tensor:

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..config import K3Config
 from ..layers.width.latent_moe import ExpertBank, LatentMoE, route_to_experts
+from ..ops.moe_decode import triton_available
 from ..ops.mx import BLOCK, E4M3, dequantize_mxfp4, mx_round, quantize_mxfp4
 from ..ops.situ import glu
 
@@ -87,7 +88,7 @@ def packed_grouped_mm(x: torch.Tensor, w: PackedWeight, counts: torch.Tensor, ba
     under TRITON_INTERPRET=1), "torch" (the reference), "auto" (Triton on CUDA when it is installed)."""
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch'; got {backend!r}")
-    if backend == "triton" or (backend == "auto" and x.is_cuda and _have_triton()):
+    if backend == "triton" or (backend == "auto" and x.is_cuda and triton_available()):
         from .triton_mm import triton_packed_grouped_mm
 
         return triton_packed_grouped_mm(x, w.weight_packed, w.weight_scale, counts)
@@ -101,14 +102,6 @@ def packed_grouped_mm_reference(x: torch.Tensor, packed: torch.Tensor, scale: to
     outs = [xe @ dequantize_mxfp4(ps[e], ss[e], x.dtype).T for e, xe in enumerate(x.split(counts.tolist()))
             if xe.shape[0]]
     return torch.cat(outs) if outs else x.new_zeros(0, packed.shape[1])
-
-
-def _have_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def pack_experts(model: nn.Module, quantize: bool = True) -> nn.Module:

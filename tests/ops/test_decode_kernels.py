@@ -155,3 +155,29 @@ def test_append_then_attend_kernels_match_the_reference():
     out = mla_decode_triton(q, qp, tri_pool[:, :, 0], table, positions, 0.2, splits=4, block_n=16, length_offset=1)
     assert torch.equal(tri_pool, ref_pool)  # exactly the same bytes written, nothing else touched
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("E,k,renorm,scaling,N", [(32, 4, True, 1.0, 1), (8, 2, True, 2.5, 3), (40, 6, False, 1.7, 5)])
+def test_fused_router_decode_matches_the_router(E, k, renorm, scaling, N):
+    """The two router kernels give the reference router's choice, weights and scores (the bias changes the choice,
+    never the weights); indices compared as sets, the reference's top-k being unordered."""
+    from k3 import K3Config
+    from k3.layers.width.router import Router
+    from k3.ops.router_decode import router_decode
+
+    torch.manual_seed(5)
+    cfg = K3Config.preset("tiny").replace(num_experts=E, num_experts_per_token=k, moe_renormalize=renorm,
+                                          routed_scaling_factor=scaling)
+    router = Router(cfg).to(DEV)
+    router.e_score_correction_bias.copy_(torch.randn(E) * 0.05)
+    x = torch.randn(N, cfg.hidden_size, device=DEV)
+    w_ref, i_ref, s_ref = router(x)  # on CPU (and with a gradient) the reference path runs
+    with torch.no_grad():
+        w, i, s = router_decode(x, router.weight, router.e_score_correction_bias, k, renorm, scaling)
+    torch.testing.assert_close(s, s_ref.detach(), atol=1e-6, rtol=1e-5)
+    order_ref, order = i_ref.sort(-1), i.sort(-1)
+    assert torch.equal(order.values, order_ref.values)
+    torch.testing.assert_close(w.gather(-1, order.indices), w_ref.detach().gather(-1, order_ref.indices), atol=1e-6,
+                               rtol=1e-5)
+    assert torch.equal(i[:, 0], (s_ref + router.e_score_correction_bias).argmax(-1))  # descending order

@@ -1,0 +1,65 @@
+"""Triton kernels of ``k3.ops.router_decode`` (imported only when Triton is there). See that module for the math.
+
+Legend: N tokens, D hidden (BLOCK_D per step), E experts (BLOCK_E per program), k experts per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _scores_kernel(X, W, BIAS, S, SB, D, E, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    """scores[n, e] = sigmoid(x_n . w_e) in fp32, and the biased scores that choose the experts."""
+    n = tl.program_id(0)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    me = offs_e < E
+    acc = tl.zeros([BLOCK_E], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        md = offs_d < D
+        x = tl.load(X + n * D + offs_d, mask=md, other=0.0).to(tl.float32)
+        w = tl.load(W + offs_e[:, None] * D + offs_d[None, :], mask=me[:, None] & md[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+    s = tl.sigmoid(acc)
+    tl.store(S + n * E + offs_e, s, mask=me)
+    tl.store(SB + n * E + offs_e, s + tl.load(BIAS + offs_e, mask=me, other=0.0), mask=me)
+
+
+@triton.jit
+def _select_kernel(S, SB, WOUT, IOUT, E, SCALING, K_TOP: tl.constexpr, K_POW2: tl.constexpr, RENORM: tl.constexpr,
+                   BLOCK_E: tl.constexpr):
+    """The k largest biased scores of row n by k passes of max (the lowest index wins a tie); their unbiased scores
+    are the weights, renormalised to sum 1 (RENORM) and scaled."""
+    n = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    offs_k = tl.arange(0, K_POW2)
+    biased = tl.load(SB + n * E + offs, mask=offs < E, other=float("-inf"))
+    scores = tl.load(S + n * E + offs, mask=offs < E, other=0.0)
+    wk = tl.zeros([K_POW2], tl.float32)
+    for j in tl.static_range(K_TOP):
+        e = tl.min(tl.where(biased == tl.max(biased, 0), offs, BLOCK_E), 0)
+        tl.store(IOUT + n * K_TOP + j, e.to(tl.int64))
+        wk = tl.where(offs_k == j, tl.sum(tl.where(offs == e, scores, 0.0), 0), wk)
+        biased = tl.where(offs == e, float("-inf"), biased)
+    if RENORM:
+        wk = wk / (tl.sum(wk, 0) + 1e-20)
+    tl.store(WOUT + n * K_TOP + offs_k, wk * SCALING, mask=offs_k < K_TOP)
+
+
+def router_decode_kernels(x, weight, bias, k: int, renormalize: bool, scaling: float):
+    N, D = x.shape
+    E = weight.shape[0]
+    scores = torch.empty(N, E, dtype=torch.float32, device=x.device)
+    biased = torch.empty_like(scores)
+    block_e = min(16, triton.next_power_of_2(E))  # several programs per token at batch 1
+    _scores_kernel[(N, triton.cdiv(E, block_e))](x, weight, bias, scores, biased, D, E, BLOCK_E=block_e,
+                                                 BLOCK_D=min(256, triton.next_power_of_2(D)), num_warps=4)
+    w = torch.empty(N, k, dtype=torch.float32, device=x.device)
+    idx = torch.empty(N, k, dtype=torch.int64, device=x.device)
+    _select_kernel[(N,)](scores, biased, w, idx, E, float(scaling), K_TOP=k, K_POW2=triton.next_power_of_2(k),
+                         RENORM=renormalize,
+                         BLOCK_E=triton.next_power_of_2(E), num_warps=4)
+    return w, idx, scores

@@ -1,6 +1,6 @@
 """The post-training pipeline on CPU with the tiny preset (SPEC §9): SFT cold start -> RL at max effort on every
-task -> RL at low and high effort from it (tau annealed from max's) -> MOPD of the max and low teachers into one
-student from SFT;
+task -> RL at low and high effort from it (tau annealed from max's) -> MOPD of the teachers (by default RL max of
+each task) into one student from SFT;
 held-out accuracy (sampled at temperature 1 and greedy, with standard errors) and reply length at each stage, and
 the time per RL step with and without partial rollout.
 
@@ -34,7 +34,6 @@ from k3.train.loop import TrainConfig, train
 from k3.train.metrics import read_metrics
 
 EFFORTS = ("low", "high", "max")
-DISTILLED = ("low", "max")  # MOPD's teachers: RL max and RL low of each task
 TEMPERATURES = {"sampled": 1.0, "greedy": 0.0}
 
 
@@ -121,6 +120,9 @@ def main():
     p.add_argument("--eval-problems", type=int, default=256)
     p.add_argument("--timing-steps", type=int, default=16)
     p.add_argument("--chunk", type=int, default=32, help="partial rollout's chunk in the timing runs")
+    p.add_argument("--mopd-efforts", default="max", help="the efforts distilled: the teacher of (task, effort) is "
+                   "RL effort's run (rl-max, or rl-low for low and high)")
+    p.add_argument("--timing", default="full,partial", help="the timing runs: full (no partial rollout), partial")
     p.add_argument("--stages", default="sft,rl,low,mopd,partial")
     args = p.parse_args()
     stages = set(args.stages.split(","))
@@ -135,8 +137,8 @@ def main():
     res["args"] = vars(args)
     t0 = time.time()
 
-    def done(key, value):
-        res[key] = value
+    def done(key, value):  # merged into what is on disk: stages may run in parallel processes
+        res.update({**(json.loads(results.read_text()) if results.exists() else {}), "args": vars(args), key: value})
         results.write_text(json.dumps(res, indent=2) + "\n")
         print(key, json.dumps(value), flush=True)
 
@@ -166,13 +168,15 @@ def main():
         done("rl_low_s", time.time() - t1)
         done("rl_low", evaluate(ckpt, tasks, args))
     if "mopd" in stages:  # one student from SFT; the teacher of (task, effort) is that effort's RL run
-        teachers = {f"{t}:{e}": str(out / f"rl-{e}" / "checkpoint") for t in tasks for e in DISTILLED}
+        distilled = tuple(args.mopd_efforts.split(","))
+        teachers = {f"{t}:{e}": str(out / f"rl-{'max' if e == 'max' else 'low'}" / "checkpoint") for t in tasks
+                    for e in distilled}
         t1 = time.time()
-        ckpt, _ = rl(args, tasks, "mopd", sft_ckpt, DISTILLED, args.mopd_steps, teachers=teachers)
+        ckpt, _ = rl(args, tasks, "mopd", sft_ckpt, distilled, args.mopd_steps, teachers=teachers)
         done("mopd_s", time.time() - t1)
         done("mopd", evaluate(ckpt, tasks, args))
     if "partial" in stages:  # time per step from SFT at max effort, the same prompts, without and with
-        for name, chunk in (("full", None), ("partial", args.chunk)):
+        for name, chunk in [(n, {"full": None, "partial": args.chunk}[n]) for n in args.timing.split(",")]:
             _, recs = rl(args, tasks, f"timing-{name}", sft_ckpt, ("max",), args.timing_steps, chunk=chunk)
             done(f"timing_{name}", timing(recs, warm=args.timing_steps // 4))
     if "eval" in stages:  # (re-)evaluate every checkpoint there is

@@ -1,7 +1,7 @@
 """Held-out accuracy and reply length of a policy per (domain, effort) (SPEC §9's measurements).
 
     evaluate_policy(model, tokenizer, {"arithmetic": task}, ("low", "max"), n=64)
-    -> {"arithmetic/low": {"accuracy": 0.41, "length": 12.3}, ...}
+    -> {"arithmetic/low": {"accuracy": 0.41, "length": 12.3, "length_p90": 15, "length_max": 21}, ...}
 
 Each test-split problem is asked once with the effort in the prompt; the reply is sampled by k3's engine
 (``temperature`` 0 = greedy) and its answer (after the reasoning) checked by the task's verifier.
@@ -34,6 +34,8 @@ def evaluate_policy(model, tokenizer, tasks: dict, efforts, n: int, max_tokens: 
         for effort in efforts:
             trajs = ask(rollout, fmt, problems, effort, seed)
             correct = [float(task.verify(p, fmt.parse(t.text, effort)[1])) for p, t in zip(problems, trajs)]
-            out[f"{name}/{effort}"] = {"accuracy": sum(correct) / len(correct),
-                                       "length": sum(len(t.tokens) for t in trajs) / len(trajs)}
+            lengths = sorted(len(t.tokens) for t in trajs)
+            out[f"{name}/{effort}"] = {"accuracy": sum(correct) / len(correct), "length": sum(lengths) / len(lengths),
+                                       "length_p90": lengths[int(0.9 * (len(lengths) - 1))],
+                                       "length_max": lengths[-1]}
     return out

@@ -2,8 +2,9 @@
 
 Each step: ``prompts`` new prompt groups (a training-split problem of a task, an effort, G = ``samples`` replies)
 join the trajectories carried over; every unfinished trajectory is rolled out by the current policy for up to
-``chunk`` tokens (partial rollout; None = to the end), again until at least one group is complete. The
-complete groups are trained on, the rest carry over (``Trajectory.versions`` records which policy drew each
+``chunk`` tokens (partial rollout; None = to the end), again until at least one group is complete. One engine
+serves the run (``Rollout.load`` puts each step's weights in it). The complete groups are trained on, the rest
+carry over (``Trajectory.versions`` records which policy drew each
 token; the objective's ratio is against the recorded sampling log-prob, so older tokens are corrected).
 
 Rewards: RL: the verifier's 1/0, or -1 for a reply longer than tau * b0(x) (k3.post.effort), then group-normalised
@@ -180,6 +181,7 @@ def rl_train(cfg: RLConfig, tasks: dict | None = None, log=print) -> dict:
     (run / "run_info.json").write_text(json.dumps({"command": "distill" if teachers else "rl",
                                                    "rl_config": cfg.to_json()}, indent=2) + "\n")
     step, end = trainer.step_count, min(tcfg.steps, tcfg.stop_after or tcfg.steps)
+    rollout = Rollout(model, tok, fmt.stop, cfg.max_tokens, version=step)  # one engine for the run
     last = {}
     while step < end:
         t0 = time.time()
@@ -191,7 +193,7 @@ def rl_train(cfg: RLConfig, tasks: dict | None = None, log=print) -> dict:
                                   "trajs": [Trajectory(next_group, ids, _seed(tcfg.seed, next_group, i))
                                             for i in range(cfg.samples)]}
             next_group += 1
-        rollout = Rollout(model, tok, fmt.stop, cfg.max_tokens, version=step)
+        rollout.load(model, step)
         active = [t for g in groups.values() for t in g["trajs"]]
         drawn = rollout.round(active, cfg.chunk)
         while not any(all(t.done for t in g["trajs"]) for g in groups.values()):

@@ -7,21 +7,27 @@ it (the engine's ``TokenEvent.logprob``, recorded at sampling time) and that pol
 it was sampled at). ``Rollout(policy, tokenizer, stop, ...)`` samples at temperature 1 with no top-k/top-p, so
 the engine's log-probability (of the unmodified logits) is exactly the sampling distribution's.
 
-Partial rollout: ``round(trajectories, chunk)`` lets every unfinished trajectory write at most ``chunk`` more tokens;
-one that has neither stopped nor reached ``max_tokens`` stays unfinished and is continued in a later round,
-typically by a newer policy (its prompt + tokens so far resubmitted). The continuation uses the trajectory's
-seed with ``SamplingParams.draw_offset`` = tokens already drawn, so with an unchanged policy a trajectory
-continued over several rounds is token for token the one written in one go (stop strings are looked for in the
-whole reply, not only in the last chunk).
+Partial rollout: ``round(trajectories, chunk)`` steps the engine until every unfinished trajectory has written
+``chunk`` more tokens (sequences decoding together write one token per engine step each) or finished;
+one that has neither stopped nor reached ``max_tokens`` stays unfinished and is continued in a later round. One
+``Rollout`` (one engine) serves a whole run: a trajectory's request stays live in the engine between rounds (its
+cache kept, nothing re-encoded) as long as the weights do not change; ``load(policy, version)`` copies a new
+policy's weights into the engine's model in place and ends the live requests, so each carried trajectory is
+resubmitted once (its prompt + tokens so far re-encoded by the new policy: the cache a token is sampled from is
+always the policy that drew it, and a run resumed from a checkpoint continues exactly). The continuation uses the
+trajectory's seed with ``SamplingParams.draw_offset`` = tokens already drawn, so with an unchanged policy a
+trajectory continued over several rounds or steps is token for token the one written in one go (stop strings are
+looked for in the whole reply, not only in the last chunk).
 """
 
 from __future__ import annotations
 
+import queue
 from dataclasses import dataclass, field
 
 import torch
 
-from ..inference.api import GenerationRequest, SamplingParams
+from ..inference.api import FinishEvent, GenerationRequest, SamplingParams
 from ..inference.engine import Engine, EngineConfig
 from ..model.transformer import K3ForCausalLM
 
@@ -56,9 +62,11 @@ def policy_copy(policy: torch.nn.Module) -> K3ForCausalLM:
 
 
 class Rollout:
-    """Sampling from one policy version. ``stop``: the chat format's stop strings; ``max_tokens``: the longest
-    reply (a trajectory reaching it finishes with "length"); ``temperature`` other than 1 is for evaluation
-    only (the recorded log-probabilities are then not the sampling distribution's)."""
+    """Sampling from a policy through one engine. ``stop``: the chat format's stop strings; ``max_tokens``: the
+    longest reply (a trajectory reaching it finishes with "length"); ``temperature`` other than 1 is for
+    evaluation only (the recorded log-probabilities are then not the sampling distribution's). The engine runs
+    synchronously (no asynchronous scheduling), so every token is delivered before ``load`` changes the weights:
+    a token's recorded version is the policy that drew it."""
 
     def __init__(self, policy, tokenizer, stop: tuple[str, ...], max_tokens: int, version: int,
                  engine_config: EngineConfig | None = None, temperature: float = 1.0):
@@ -66,40 +74,75 @@ class Rollout:
 
         self.tokenizer, self.stop, self.max_tokens, self.version = tokenizer, tuple(stop), max_tokens, version
         self.eos, self.temperature = eos_id(tokenizer), temperature  # training rollouts: 1 (see the docstring)
-        self.engine = Engine(policy_copy(policy), tokenizer, engine_config or EngineConfig(page_tokens=512,
-                                                                                         num_pages=64))
+        self.engine = Engine(policy_copy(policy), tokenizer, engine_config or EngineConfig(
+            page_tokens=512, num_pages=520, max_batch=256, step_tokens=8192, async_scheduling=False))
+        if self.engine.async_scheduling:
+            raise ValueError("Rollout needs EngineConfig(async_scheduling=False): a token sampled by one policy "
+                             "version must be delivered before the weights change")
+        self._live: dict[int, tuple[Trajectory, object]] = {}  # id(trajectory) -> (it, its request's handle)
+
+    @torch.no_grad()
+    def load(self, policy, version: int) -> None:
+        """``policy``'s weights into the engine's model, in place (its fused projections are views of them), as
+        policy ``version``; live requests end, so their trajectories are re-encoded by this policy next round."""
+        self.engine.model.load_state_dict(policy.state_dict())
+        for _, handle in self._live.values():
+            handle.cancel()
+        self._live.clear()
+        self.version = version
 
     def round(self, trajectories: list[Trajectory], chunk: int | None = None) -> int:
         """Advance every unfinished trajectory by up to ``chunk`` tokens (None: to its end). -> tokens drawn."""
         todo = [t for t in trajectories if not t.done]
-        handles = []
         for t in todo:
-            left = self.max_tokens - len(t.tokens)
-            params = SamplingParams(max_tokens=left if chunk is None else min(chunk, left), temperature=self.temperature,
-                                    seed=t.seed, stop=self.stop, draw_offset=len(t.tokens))
-            handles.append(self.engine.submit(GenerationRequest(tuple(t.prompt_ids + t.tokens), params)))
-        seqs = [self.engine.seqs[h.id] for h in handles]
-        while any(not s.finished for s in seqs):
+            if id(t) not in self._live:
+                left = self.max_tokens - len(t.tokens)
+                params = SamplingParams(max_tokens=left, temperature=self.temperature, seed=t.seed, stop=self.stop,
+                                        draw_offset=len(t.tokens))
+                self._live[id(t)] = (t, self.engine.submit(GenerationRequest(tuple(t.prompt_ids + t.tokens),
+                                                                             params)))
+        before = {id(t): len(t.tokens) for t in todo}
+        drawn = {id(t): 0 for t in todo}  # events (EOS included) this round
+        ended: dict[int, str] = {}  # id -> its request's finish reason
+        running = list(todo)
+        while running:
             self.engine.step()
-        drawn = 0
-        for t, h in zip(todo, handles):
-            *events, fin = list(h)
-            if fin.reason == "error":
-                raise RuntimeError(f"rollout failed in the engine: {fin.error}")
-            before = len(t.tokens)
-            for ev in events:
-                if ev.token_id == self.eos:  # EOS ends the reply; it is no token of it (as at inference)
-                    continue
+            still = []
+            for t in running:
+                reason = self._drain(t, drawn)
+                if reason is not None:
+                    ended[id(t)] = reason
+                elif chunk is None or drawn[id(t)] < chunk:
+                    still.append(t)
+            running = still
+        for t in todo:
+            self._settle(t, before[id(t)], ended.get(id(t)))
+        return sum(len(t.tokens) - before[id(t)] for t in todo)
+
+    def _drain(self, t: Trajectory, drawn: dict) -> str | None:
+        """Take ``t``'s delivered events; -> its request's finish reason once it has one (the request is then no
+        longer live), else None."""
+        _, handle = self._live[id(t)]
+        while True:
+            try:
+                ev = handle.events.get_nowait()
+            except queue.Empty:
+                return None
+            if isinstance(ev, FinishEvent):
+                if ev.reason == "error":
+                    raise RuntimeError(f"rollout failed in the engine: {ev.error}")
+                del self._live[id(t)]
+                return ev.reason
+            drawn[id(t)] += 1
+            if ev.token_id != self.eos:  # EOS ends the reply; it is no token of it (as at inference)
                 t.tokens.append(ev.token_id)
                 t.logprobs.append(ev.logprob)
                 t.versions.append(self.version)
-            drawn += len(t.tokens) - before
-            self._settle(t, before, fin.reason)
-        return drawn
 
-    def _settle(self, t: Trajectory, before: int, reason: str) -> None:
+    def _settle(self, t: Trajectory, before: int, reason: str | None) -> None:
         """Finish ``t`` if its reply holds a stop string (cut right after the token completing the first one),
-        ended with EOS, or is ``max_tokens`` long; else it stays unfinished."""
+        ended with EOS, or is ``max_tokens`` long; else it stays unfinished. ``reason``: its request's finish
+        reason, None while it is live."""
         text = self.tokenizer.decode(t.tokens)
         hit = [text.index(s) for s in self.stop if s in text]
         if hit:
@@ -112,3 +155,5 @@ class Rollout:
             t.finish, t.text = "stop", text
         elif len(t.tokens) >= self.max_tokens:
             t.finish, t.text = "length", text
+        if t.done and id(t) in self._live:  # a stop string the engine could not see (it straddles a resubmission)
+            self._live.pop(id(t))[1].cancel()

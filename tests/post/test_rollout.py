@@ -1,6 +1,9 @@
 """Rollouts through the engine: recorded log-probs are the policy's; partial rollout over several steps gives the
 same trajectories and the same gradient as finishing them in one go (frozen policy)."""
 
+import copy
+
+import pytest
 import torch
 
 from k3.config import K3Config
@@ -37,16 +40,27 @@ def grads(model, trajs):
     return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-def test_partial_rollout_equals_finishing_first(chat_tokenizer):
+@pytest.mark.parametrize("between", ["live", "load", "new"])
+def test_partial_rollout_equals_finishing_first(chat_tokenizer, between):
+    """Rounds of 3 tokens with the frozen policy at versions 0, 1, ...: the requests stay live in the engine
+    between rounds ("live"), are re-encoded after ``load`` (a new step's weights, here the same), or are
+    resubmitted to a new engine (a resumed run): each gives the trajectories and gradient of one go."""
     tok = chat_tokenizer
     model = tiny(tok)
     fmt, ps = prompts(tok)
     whole = trajectories(ps)
     Rollout(model, tok, fmt.stop, 14, version=0).round(whole)
     parts = trajectories(ps)
+    rollout = Rollout(model, tok, fmt.stop, 14, version=0)
     rounds = 0
-    while not all(t.done for t in parts):  # one Rollout per "step": the frozen policy at versions 0, 1, 2, ...
-        Rollout(model, tok, fmt.stop, 14, version=rounds).round(parts, chunk=3)
+    while not all(t.done for t in parts):
+        if between == "load":
+            rollout.load(model, rounds)
+        elif between == "new":
+            rollout = Rollout(model, tok, fmt.stop, 14, version=rounds)
+        else:
+            rollout.version = rounds
+        rollout.round(parts, chunk=3)
         rounds += 1
     assert rounds == 5  # 14 tokens in chunks of 3
     assert [t.versions for t in parts][0] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4]
@@ -57,6 +71,28 @@ def test_partial_rollout_equals_finishing_first(chat_tokenizer):
     assert ga.keys() == gb.keys() and len(ga) > 10
     for k in ga:
         torch.testing.assert_close(ga[k], gb[k], atol=1e-6, rtol=1e-4)
+
+
+def test_load_puts_new_weights_in_the_engine(chat_tokenizer):
+    """One engine for a run: after ``load(policy_b)`` it samples what a new engine built from policy_b samples,
+    and live requests are re-encoded (their tokens after the load are policy_b's)."""
+    tok = chat_tokenizer
+    a, b = tiny(tok, seed=2), tiny(tok, seed=3)
+    fmt, ps = prompts(tok)
+    rollout = Rollout(a, tok, fmt.stop, 8, version=0)
+    carried = trajectories(ps)
+    rollout.round(carried, chunk=2)  # live requests with policy a's cache
+    resumed = copy.deepcopy(carried)
+    rollout.load(b, 1)
+    rollout.round(carried)
+    Rollout(b, tok, fmt.stop, 8, version=1).round(resumed)  # the same trajectories continued by a new engine
+    fresh, loaded = trajectories(ps), trajectories(ps)
+    Rollout(b, tok, fmt.stop, 8, version=1).round(fresh)
+    rollout.round(loaded)
+    for x, y in [*zip(resumed, carried), *zip(fresh, loaded)]:
+        assert x.tokens == y.tokens and x.versions == y.versions and x.finish == y.finish
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+    assert carried[0].versions[:3] == [0, 0, 1] and loaded[0].versions == [1] * len(loaded[0].tokens)
 
 
 def test_recorded_logprobs_are_the_training_forwards(chat_tokenizer):
@@ -79,7 +115,7 @@ def test_a_stop_string_split_over_chunks_ends_the_reply_after_it(chat_tokenizer)
     reply = tok.encode("4<|im_end|>").ids
     extra = tok.encode("xyz").ids
     r = Rollout.__new__(Rollout)
-    r.tokenizer, r.stop, r.max_tokens = tok, fmt.stop, 50
+    r.tokenizer, r.stop, r.max_tokens, r._live = tok, fmt.stop, 50, {}
     for before in range(len(reply)):  # the chunk boundary anywhere inside the reply
         t = Trajectory(0, [1], 0, tokens=reply + extra, logprobs=[-1.0] * (len(reply) + len(extra)),
                        versions=[0] * (len(reply) + len(extra)))

@@ -43,25 +43,24 @@ def _up_kernel(Z, IDX, W1, W3, H, L, I, stride_we, B1, B2, K_TOP: tl.constexpr, 
 
 
 @triton.jit
-def _down_kernel(H, IDX, WT, W2, U, L, I, stride_we, K_TOP: tl.constexpr, BLOCK_L: tl.constexpr,
-                 BLOCK_I: tl.constexpr):
-    n = tl.program_id(0)
+def _down_kernel(H, IDX, WT, W2, P, L, I, stride_we, BLOCK_L: tl.constexpr, BLOCK_I: tl.constexpr):
+    """One (routed row, block of L) per program: P[r] = p_r * round(W2[e_r] h_r); the k rows of a token are summed
+    after (in a fixed order: deterministic, unlike atomics)."""
+    r = tl.program_id(0)
     offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     ml = offs_l < L
-    acc = tl.zeros([BLOCK_L], tl.float32)
-    for j in tl.static_range(K_TOP):
-        e = tl.load(IDX + n * K_TOP + j).to(tl.int64)
-        p = tl.load(WT + n * K_TOP + j)
-        part = tl.zeros([BLOCK_L], tl.float32)
-        for i0 in range(0, I, BLOCK_I):
-            offs_i = i0 + tl.arange(0, BLOCK_I)
-            mi = offs_i < I
-            h = tl.load(H + (n * K_TOP + j) * I + offs_i, mask=mi, other=0.0).to(tl.float32)
-            w = tl.load(W2 + e * stride_we + offs_l[:, None] * I + offs_i[None, :], mask=ml[:, None] & mi[None, :],
-                        other=0.0).to(tl.float32)
-            part += tl.sum(w * h[None, :], 1)
-        acc += part.to(H.dtype.element_ty).to(tl.float32) * p  # rounded as the grouped matmul's outputs are
-    tl.store(U + n * L + offs_l, acc, mask=ml)
+    e = tl.load(IDX + r).to(tl.int64)
+    part = tl.zeros([BLOCK_L], tl.float32)
+    for i0 in range(0, I, BLOCK_I):
+        offs_i = i0 + tl.arange(0, BLOCK_I)
+        mi = offs_i < I
+        h = tl.load(H + r * I + offs_i, mask=mi, other=0.0).to(tl.float32)
+        w = tl.load(W2 + e * stride_we + offs_l[:, None] * I + offs_i[None, :], mask=ml[:, None] & mi[None, :],
+                    other=0.0).to(tl.float32)
+        part += tl.sum(w * h[None, :], 1)
+    p = tl.load(WT + r)
+    tl.store(P + r * L + offs_l, part.to(H.dtype.element_ty).to(tl.float32) * p, mask=ml)  # rounded as the
+    # grouped matmul's outputs are
 
 
 def moe_decode_kernels(z, weights, idx, w1, w3, w2, situ: bool, b1: float, b2: float) -> torch.Tensor:
@@ -74,11 +73,11 @@ def moe_decode_kernels(z, weights, idx, w1, w3, w2, situ: bool, b1: float, b2: f
         w1, w3 = w1.contiguous(), w3.contiguous()
     dtype = w1.dtype if w1.dtype in (torch.bfloat16, torch.float16) else z.dtype
     h = torch.empty(N * k, I, dtype=dtype, device=z.device)
-    u = torch.empty(N, L, dtype=torch.float32, device=z.device)
+    part = torch.empty(N * k, L, dtype=torch.float32, device=z.device)
     block_i, block_l = 16, min(128, triton.next_power_of_2(L))  # small blocks: enough programs at one token
     _up_kernel[(N * k, triton.cdiv(I, block_i))](z, idx, w1, w3, h, L, I, w1.stride(0), b1, b2, K_TOP=k, SITU=situ,
                                                  BLOCK_I=block_i, BLOCK_L=block_l, num_warps=4)
-    block_l2, block_i2 = 8, min(128, triton.next_power_of_2(I))
-    _down_kernel[(N, triton.cdiv(L, block_l2))](h, idx, weights, w2, u, L, I, w2.stride(0), K_TOP=k,
-                                                 BLOCK_L=block_l2, BLOCK_I=block_i2, num_warps=4)
-    return u
+    block_l2, block_i2 = 8, min(128, triton.next_power_of_2(I))  # one program per (routed row, 8 outputs)
+    _down_kernel[(N * k, triton.cdiv(L, block_l2))](h, idx, weights, w2, part, L, I, w2.stride(0), BLOCK_L=block_l2,
+                                                     BLOCK_I=block_i2, num_warps=4)
+    return part.view(N, k, L).sum(1)

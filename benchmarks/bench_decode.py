@@ -226,6 +226,27 @@ def ttft(engine, prompt):
     return time.perf_counter() - t0, list(h)[-1].cached_tokens
 
 
+def profile_hit(engine, prompt) -> dict:
+    """torch.profiler over one prefix hit (submit to first token): where its time goes, GPU kernels and host ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall, cached = ttft(engine, prompt)
+    avg = prof.key_averages()
+    gpu = sorted((e for e in avg if e.device_type.name == "CUDA"), key=lambda e: -e.device_time_total)
+    host = sorted((e for e in avg if e.device_type.name == "CPU"), key=lambda e: -e.self_cpu_time_total)
+    out = {"wall_ms": wall * 1e3, "cached_tokens": cached,
+           "gpu_ms": sum(e.device_time_total for e in gpu) / 1e3,
+           "gpu_top": [(e.key[:120], e.count, round(e.device_time_total / 1e3, 3)) for e in gpu[:25]],
+           "host_top": [(e.key[:120], e.count, round(e.self_cpu_time_total / 1e3, 3)) for e in host[:25]]}
+    print(f"  profile of a hit: {out['wall_ms']:.1f} ms wall, {out['gpu_ms']:.1f} ms of GPU kernels", flush=True)
+    for k, c, ms in out["gpu_top"][:8]:
+        print(f"    GPU  {ms:8.3f} ms  x{c:<5} {k[:70]}", flush=True)
+    for k, c, ms in out["host_top"][:8]:
+        print(f"    host {ms:8.3f} ms  x{c:<5} {k[:70]}", flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="small")
@@ -281,7 +302,8 @@ def main():
             miss, _ = ttft(eng, prefix + [5, 6, 7])
             hit, cached = ttft(eng, prefix + [8, 9, 10])
             record({"model": "k3 hybrid", "ttft_prefix": args.prefix, "ttft_miss_s": miss, "ttft_hit_s": hit,
-                    "cached_tokens": cached, "speedup": miss / hit})
+                    "cached_tokens": cached, "speedup": miss / hit,
+                    "hit_profile": profile_hit(eng, prefix + [11, 12, 13]) if args.profile else None})
         eng.stop()
         del eng
     if "mla" in sections and longs:

@@ -226,8 +226,8 @@ def ttft(engine, prompt):
     return time.perf_counter() - t0, list(h)[-1].cached_tokens
 
 
-def profile_hit(engine, prompt) -> dict:
-    """torch.profiler over one prefix hit (submit to first token): where its time goes, GPU kernels and host ops."""
+def profile_ttft(engine, prompt, label: str) -> dict:
+    """torch.profiler over one request's time to first token (a miss or a hit): GPU kernels and host ops."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -239,7 +239,7 @@ def profile_hit(engine, prompt) -> dict:
            "gpu_ms": sum(e.device_time_total for e in gpu) / 1e3,
            "gpu_top": [(e.key[:120], e.count, round(e.device_time_total / 1e3, 3)) for e in gpu[:25]],
            "host_top": [(e.key[:120], e.count, round(e.self_cpu_time_total / 1e3, 3)) for e in host[:25]]}
-    print(f"  profile of a hit: {out['wall_ms']:.1f} ms wall, {out['gpu_ms']:.1f} ms of GPU kernels", flush=True)
+    print(f"  profile of a {label}: {out['wall_ms']:.1f} ms wall, {out['gpu_ms']:.1f} ms of GPU kernels", flush=True)
     for k, c, ms in out["gpu_top"][:8]:
         print(f"    GPU  {ms:8.3f} ms  x{c:<5} {k[:70]}", flush=True)
     for k, c, ms in out["host_top"][:8]:
@@ -278,7 +278,8 @@ def main():
     max_b = max(batches + [args.long_batch])
     if "k3" in sections or "ttft" in sections:
         need = max(max(batches) * (args.context + args.steps + 16),
-                   args.long_batch * (max(longs, default=0) + args.steps + 16), 2 * args.prefix + 4096)
+                   args.long_batch * (max(longs, default=0) + args.steps + 16),
+                   (3 if args.profile else 2) * args.prefix + 4096)
         eng = build_engine(base, dev, dtype, tok, need, max_b)
         if args.profile:
             explain_graph_breaks(eng)
@@ -301,9 +302,13 @@ def main():
             ttft(eng, warm + [1, 2, 3])
             miss, _ = ttft(eng, prefix + [5, 6, 7])
             hit, cached = ttft(eng, prefix + [8, 9, 10])
+            profiles = None
+            if args.profile:  # a fresh prefix: its miss, then its hit
+                other = torch.randint(1, base.vocab_size, (args.prefix,), generator=g).tolist()
+                profiles = {"miss": profile_ttft(eng, other + [5, 6, 7], "miss"),
+                            "hit": profile_ttft(eng, other + [8, 9, 10], "hit")}
             record({"model": "k3 hybrid", "ttft_prefix": args.prefix, "ttft_miss_s": miss, "ttft_hit_s": hit,
-                    "cached_tokens": cached, "speedup": miss / hit,
-                    "hit_profile": profile_hit(eng, prefix + [11, 12, 13]) if args.profile else None})
+                    "cached_tokens": cached, "speedup": miss / hit, "profiles": profiles})
         eng.stop()
         del eng
     if "mla" in sections and longs:

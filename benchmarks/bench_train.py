@@ -27,7 +27,8 @@ Step time: each step ends with one read of the device (as `k3 train`); min / med
 Peak memory: ``torch.cuda.max_memory_allocated`` over the timed steps (CUDA).
 
 ``--profile DIR``: one more step per row under torch.profiler; DIR/<row>.txt holds the ops and kernels of most
-device time and the device's idle gaps between kernels (host-bound stretches), largest first.
+device time, the device's idle gaps between kernels (host-bound stretches), largest first, and the device time per
+module class, forward and backward apart (which layer's code to fuse first).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ import json
 import statistics
 import sys
 import time
+from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -139,16 +142,76 @@ def device_gaps(prof, top: int = 10) -> str:
     return "\n".join(lines) + "\n"
 
 
-def profile_step(step, device: str, path: Path, top: int = 40) -> None:
+@contextmanager
+def module_ranges(model):
+    """Every module's forward as a profiler range "fwd::<class>" (the innermost names the kernels it launches)."""
+    from torch.profiler import record_function
+
+    if model is None:
+        yield
+        return
+    stack = []
+
+    def pre(mod, args):
+        stack.append(record_function(f"fwd::{type(mod).__name__}"))
+        stack[-1].__enter__()
+
+    def post(mod, args, out):
+        stack.pop().__exit__(None, None, None)
+
+    hooks = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def by_module(prof, device: str, top: int = 25) -> str:
+    """Device time (CPU time on CPU) per module class, forward and backward apart. A backward op is charged to the
+    module whose forward op created its autograd node (the profiler's sequence numbers tie the two)."""
+    events = prof.events()
+
+    def module_of(e):
+        while e is not None and not e.name.startswith("fwd::"):
+            e = e.cpu_parent
+        return e.name[5:] if e is not None else None
+
+    created = {}
+    for e in events:
+        if e.sequence_nr >= 0 and not e.name.startswith("autograd::"):
+            created.setdefault(e.sequence_nr, module_of(e))
+    spent = Counter()
+    for e in events:
+        if e.name.startswith(("fwd::", "autograd::")) or (device != "cuda" and e.cpu_children):
+            continue
+        t = e.self_device_time_total if device == "cuda" else e.self_cpu_time_total
+        if t <= 0:
+            continue
+        mod = module_of(e)
+        if mod is not None:
+            spent[f"forward  {mod}"] += t
+            continue
+        node = e
+        while node is not None and not node.name.startswith("autograd::engine::evaluate_function"):
+            node = node.cpu_parent
+        spent[f"backward {created.get(node.sequence_nr) or '?'}" if node is not None else "outside the model"] += t
+    total = sum(spent.values()) or 1
+    lines = [f"{'device' if device == 'cuda' else 'CPU'} time by module (innermost class):"]
+    lines += [f"  {us / 1e3:9.2f} ms {us / total:6.1%}  {name}" for name, us in spent.most_common(top)]
+    return "\n".join(lines) + "\n"
+
+
+def profile_step(step, device: str, path: Path, top: int = 40, model=None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts) as prof, module_ranges(model):
         float(step())
     key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=80)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(table + "\n" + device_gaps(prof))
+    path.write_text(table + "\n" + device_gaps(prof) + "\n" + by_module(prof, device))
     print(f"# profile written to {path}", flush=True)
 
 
@@ -232,7 +295,7 @@ def k3_row(preset: str, cfg: K3Config, args, batches=None) -> dict:
                     args.peak_tflops * 1e12, device, docs_per_step=sum(docs[-n:]) / n, loss=loss,
                     load_max_over_mean=[round(x, 2) for x in load[-n:]])
     if args.profile:
-        profile_step(step, device, Path(args.profile) / f"k3-{preset}-{kind}.txt")
+        profile_step(step, device, Path(args.profile) / f"k3-{preset}-{kind}.txt", model=model)
     return row
 
 
@@ -259,7 +322,7 @@ def peer_row(preset: str, cfg: K3Config, args) -> dict:
     row = row_stats(preset, f"dense {cfg.hidden_size} x {cfg.num_hidden_layers}", "any", each, B * T, model.flops(B, T),
                     args.peak_tflops * 1e12, device, params=sum(p.numel() for p in model.parameters()), loss=loss)
     if args.profile:
-        profile_step(step, device, Path(args.profile) / f"dense-{preset}.txt")
+        profile_step(step, device, Path(args.profile) / f"dense-{preset}.txt", model=model)
     return row
 
 

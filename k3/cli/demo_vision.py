@@ -66,14 +66,15 @@ class SceneTask:
         from ..data.tokenizer import EOS, train_tokenizer
         from ..serve.chat import ChatTemplate
         from ..vision.chat import data_url, encode_chat
+        from ..vision.prompt import MEDIA_PAD
         from ..vision.shapes import COLOURS, QUESTIONS, SHAPES, random_scene, render
 
         self.template, self.vision = ChatTemplate(), vision
         answers = [*SHAPES, *COLOURS, *map(str, range(10))]
         corpus = [self.template.render([{"role": "user", "content": q}]) + a + self.template.stop[0]
                   for q in QUESTIONS.values() for a in answers]
-        self.tok = train_tokenizer(corpus * 4, 400, special_tokens=(EOS, "<|media_pad|>"))
-        self.placeholder, self.eos = self.tok.token_to_id("<|media_pad|>"), self.tok.token_to_id(EOS)
+        self.tok = train_tokenizer(corpus * 4, 400, special_tokens=(EOS, MEDIA_PAD))
+        self.placeholder, self.eos = self.tok.token_to_id(MEDIA_PAD), self.tok.token_to_id(EOS)
         import io
 
         buf = io.BytesIO()

@@ -73,6 +73,8 @@ class ImagePrompt:
                     continue
                 name = f"{where}: messages[{i}].content[{j}]"
                 source = image_source(part, name)
+                if isinstance(source, Path):
+                    name += f" ({source})"
                 im = load_image(source, self.vision, name=name)
                 refs.append(ImageRef(source, name, im.grid, im.digest))
         return refs

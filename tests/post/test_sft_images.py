@@ -88,7 +88,7 @@ def test_prompts_are_what_serve_builds_and_labels_only_the_assistant(tok, model,
         assert [im.start for im in images] == list(doc.starts[:len(images)])
         for im, ref in zip(images, doc.images):
             assert torch.equal(ref.pixels(TINY), im.pixels) and ref.digest == im.digest
-    assert len(doc.images) == 2 and doc.images[1].name.endswith("chat.jsonl:1: messages[2].content[1]")
+    assert len(doc.images) == 2 and doc.images[1].name.endswith(f"chat.jsonl:1: messages[2].content[1] ({tmp_path / 'cat.png'})")
     # labels: exactly the assistant's completions; -100 on every prompt token, the placeholders included
     p1 = prompt_len[1]
     c1, c2 = fmt.completion_ids(msgs[1], "high"), fmt.completion_ids(msgs[3], "high")

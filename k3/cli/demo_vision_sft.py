@@ -1,4 +1,5 @@
-"""k3 demo-vision --sft: the demo's scenes and questions as SFT data with images, trained by ``k3 sft`` (SPEC §9, §10).
+"""k3 demo-vision --sft: the demo's scenes and questions as SFT data with images, trained by ``k3 sft`` (SPEC §9,
+§10).
 
 The training scenes (``--steps`` x ``--batch-size``, one question each) and the held-out ones (every question) are
 written as chat JSONL, each user message an ``image_url`` part (the scene as a ``data:`` URL, what an OpenAI client

@@ -149,19 +149,23 @@ def encode_conversation(fmt: ChatFormat, messages: list[dict], effort: str | Non
     docs: list[ChatDocument] = []
     ids: list[int] = []
     labels: list[int] = []
+    last: tuple[tuple, tuple] = ((), ())  # the images of the document so far and where their runs start
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
         if not i:
             raise ValueError("a conversation cannot start with an assistant message: give the user's turn first")
-        prompt, starts = images.ids(fmt, messages[:i], effort, where) if refs else (fmt.prompt_ids(messages[:i], effort), [])
+        if refs:
+            prompt, starts = images.ids(fmt, messages[:i], effort, where)
+        else:
+            prompt, starts = fmt.prompt_ids(messages[:i], effort), []
         target = fmt.completion_ids(m, effort)
         if ids and prompt[:len(ids)] != ids:  # the history re-renders differently: a new document
             docs.append(ChatDocument(ids, labels, *last))
             ids, labels = [], []
         ids, labels = ids + prompt[len(ids):], labels + [-100] * (len(prompt) - len(ids))
         ids, labels = ids + target, labels + target
-        last = (tuple(refs[:len(starts)]), tuple(starts))  # the prompt holds the first len(starts) images
+        last = (tuple(refs[:len(starts)]), tuple(starts))  # this prompt holds the first len(starts) images
     docs.append(ChatDocument(ids, labels, *last))
     return docs
 

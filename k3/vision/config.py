@@ -210,4 +210,5 @@ def vision_of(top_level: dict[str, Any] | None) -> VisionConfig | None:
 def placeholder_of(top_level: dict[str, Any]) -> int:
     """The image placeholder token id of a multimodal wrapper: ``media_placeholder_token_id`` (transformers'
     Kimi_K25Config names it ``image_token_id``), else the Kimi tokenizers' ``<|media_pad|>``."""
-    return int(top_level.get("media_placeholder_token_id", top_level.get("image_token_id", DEFAULT_MEDIA_PLACEHOLDER_ID)))
+    default = top_level.get("image_token_id", DEFAULT_MEDIA_PLACEHOLDER_ID)
+    return int(top_level.get("media_placeholder_token_id", default))

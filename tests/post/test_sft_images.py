@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from safetensors import safe_open
 
 from k3 import K3Config, K3ForCausalLM
@@ -89,7 +88,8 @@ def test_prompts_are_what_serve_builds_and_labels_only_the_assistant(tok, model,
         assert [im.start for im in images] == list(doc.starts[:len(images)])
         for im, ref in zip(images, doc.images):
             assert torch.equal(ref.pixels(TINY), im.pixels) and ref.digest == im.digest
-    assert len(doc.images) == 2 and doc.images[1].name.endswith(f"chat.jsonl:1: messages[2].content[1] ({tmp_path / 'cat.png'})")
+    assert len(doc.images) == 2
+    assert doc.images[1].name.endswith(f"chat.jsonl:1: messages[2].content[1] ({tmp_path / 'cat.png'})")
     # labels: exactly the assistant's completions; -100 on every prompt token, the placeholders included
     p1 = prompt_len[1]
     c1, c2 = fmt.completion_ids(msgs[1], "high"), fmt.completion_ids(msgs[3], "high")
@@ -108,7 +108,8 @@ def test_packed_samples_splice_the_features_of_the_unpacked_stream(tok, model, j
     ds = ImagePackedDataset(docs, 16, tok.token_to_id(EOS), TINY, shuffle_seed=3)
     with torch.no_grad():
         refs = ds.images
-        whole = model.embed(ds.tokens.long()[None], torch.cat([r.pixels(TINY) for r in refs]), [r.grid for r in refs])[0]
+        pixels = torch.cat([r.pixels(TINY) for r in refs])
+        whole = model.embed(ds.tokens.long()[None], pixels, [r.grid for r in refs])[0]
         cut = 0
         for _ in range(6):
             idx = ds.order(ds.epoch)[ds.position: ds.position + 3].tolist()
@@ -198,7 +199,8 @@ def write_bad(tmp_path, part, role="user") -> str:
      r"bad.jsonl:2: messages\[0\].content\[1\] is 10000 x 10000 = 100.0 megapixels"),
     ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "user",
      r"bad.jsonl:2: messages\[0\].content\[1\].image_url.url: k3 does not fetch URLs"),
-    ({"type": "image", "path": "missing.png"}, "user", r"bad.jsonl:2: messages\[0\].content\[1\] \(.*missing.png\): cannot read"),
+    ({"type": "image", "path": "missing.png"}, "user",
+     r"bad.jsonl:2: messages\[0\].content\[1\] \(.*missing.png\): cannot read"),
 ])
 def test_bad_image_data_names_the_line_and_the_part(tmp_path, part, role, match):
     cfg = dataclasses.replace(SFT, out=str(tmp_path / "run"), data=write_bad(tmp_path, part, role))
@@ -251,8 +253,8 @@ def test_sft_on_images_teaches_the_model_to_read_them(tmp_path):
         out = []
         for _ in range(n):
             c = rng.choice(list(COLOURS))
-            out.append({"messages": [{"role": "user", "content": [image(56, 28, c), {"type": "text", "text": "Colour?"}]},
-                                     {"role": "assistant", "content": c}]})
+            question = [image(56, 28, c), {"type": "text", "text": "Colour?"}]
+            out.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": c}]})
         return "".join(json.dumps(x) + "\n" for x in out)
 
     (tmp_path / "train.jsonl").write_text(lines(96))

@@ -31,7 +31,7 @@ from ..checkpoint import load_pretrained
 from ..config import K3Config
 from ..data import PackedDataset
 from ..train.state import load_checkpoint
-from ..vision import ImageError, K3ForConditionalGeneration, VisionConfig, load_image
+from ..vision import ImageError, K3ForConditionalGeneration, VisionConfig, load_image, tokens_per_image
 from ..vision.chat import encode_chat, has_images, image_source, is_image_part
 from ..vision.config import placeholder_of, vision_of
 
@@ -105,8 +105,7 @@ class ImagePackedDataset(PackedDataset):
         self.images: list[ImageRef] = [im for d in kept for im in d.images]
         starts = [int(s0) + s for d, s0 in zip(kept, self.doc_starts.tolist()) for s in d.starts]
         self.run_start = torch.tensor(starts, dtype=torch.int64)  # [K] each image's first placeholder in the stream
-        self.run_len = torch.tensor([im.grid[0] * im.grid[1] // vision.merge for im in self.images],
-                                    dtype=torch.int64)  # [K]
+        self.run_len = torch.tensor([tokens_per_image(im.grid, vision) for im in self.images], dtype=torch.int64)  # [K]
         self.run_end = self.run_start + self.run_len  # runs are disjoint and in order: starts and ends both sorted
 
     def media(self, indices: Sequence[int]) -> dict:

@@ -12,7 +12,8 @@ The evidence that the model uses the image: on the held-out scenes, the answer l
 against the same examples with the images shuffled (each question shown another scene's image), and the exact-match
 accuracy of the greedy answer, both ways. A model that ignored the image would score the same on both. The
 checkpoint (config.json with its vision_config, safetensors in the multimodal layout, tokenizer) and a sample scene
-are saved, so ``k3 chat --checkpoint OUT --image OUT/sample.png`` asks it more.
+are saved, so ``k3 chat --checkpoint OUT --image OUT/sample.png`` asks it more. ``--sft`` trains on the same
+scenes through ``k3 sft``'s chat data with images instead (k3.cli.demo_vision_sft).
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def add_arguments(p) -> None:
                    help="which questions to train and ask, comma-separated (shape, colour, digit)")
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--out", default="runs/demo-vision", help="where the checkpoint and a sample scene go")
+    p.add_argument("--sft", action="store_true",
+                   help="write the scenes as chat JSONL with image parts and train with `k3 sft --vision tiny` (its "
+                   "defaults: --lr, --vision-lr and --vision-after are the demo's own loop's) instead")
 
 
 @dataclass
@@ -66,14 +70,15 @@ class SceneTask:
         from ..data.tokenizer import EOS, train_tokenizer
         from ..serve.chat import ChatTemplate
         from ..vision.chat import data_url, encode_chat
+        from ..vision.prompt import MEDIA_PAD
         from ..vision.shapes import COLOURS, QUESTIONS, SHAPES, random_scene, render
 
         self.template, self.vision = ChatTemplate(), vision
         answers = [*SHAPES, *COLOURS, *map(str, range(10))]
         corpus = [self.template.render([{"role": "user", "content": q}]) + a + self.template.stop[0]
                   for q in QUESTIONS.values() for a in answers]
-        self.tok = train_tokenizer(corpus * 4, 400, special_tokens=(EOS, "<|media_pad|>"))
-        self.placeholder, self.eos = self.tok.token_to_id("<|media_pad|>"), self.tok.token_to_id(EOS)
+        self.tok = train_tokenizer(corpus * 4, 400, special_tokens=(EOS, MEDIA_PAD))
+        self.placeholder, self.eos = self.tok.token_to_id(MEDIA_PAD), self.tok.token_to_id(EOS)
         import io
 
         buf = io.BytesIO()
@@ -163,12 +168,21 @@ def train(task: SceneTask, steps: int, batch_size: int, lr: float, vision_lr: fl
     return model.eval()
 
 
-def evaluate(task: SceneTask, model, val: Examples, kinds: list[str]) -> dict:
+def evaluate(model, val: Examples, asked: list[str], kinds: list[str]) -> dict:
+    """The evidence on ``val``, each held-out scene asked every one of ``kinds`` in turn (``asked``: per example)."""
     real, right = answer_stats(model, val)
-    shuffled, right_s = answer_stats(model, val, shuffle=len(task.kinds))
-    by_kind = {k: float(right[[i for i, x in enumerate(kinds) if x == k]].float().mean()) for k in task.kinds}
+    shuffled, right_s = answer_stats(model, val, shuffle=len(kinds))
+    by_kind = {k: float(right[[i for i, x in enumerate(asked) if x == k]].float().mean()) for k in kinds}
     return {"val_loss_image": real, "val_loss_shuffled": shuffled, "accuracy_image": float(right.float().mean()),
             "accuracy_shuffled": float(right_s.float().mean()), "accuracy_by_question": by_kind}
+
+
+def report(r: dict, kinds: list[str]) -> None:
+    print(f"validation answer loss: {r['val_loss_image']:.3f} with the image, {r['val_loss_shuffled']:.3f} with a "
+          f"shuffled image ({r['val_loss_shuffled'] / max(r['val_loss_image'], 1e-9):.1f}x)")
+    print(f"held-out accuracy: {r['accuracy_image']:.1%} with the image, {r['accuracy_shuffled']:.1%} with a shuffled "
+          "image; by question: " + ", ".join(f"{k} {v:.1%}" for k, v in r["accuracy_by_question"].items())
+          + f" (chance: {', '.join(f'{k} {CHANCE[k]:.0%}' for k in kinds)})")
 
 
 def run(args) -> int:
@@ -182,6 +196,10 @@ def run(args) -> int:
     if not kinds or any(k not in task.kinds for k in kinds):
         raise ValueError(f"--questions {args.questions!r}: give some of {','.join(task.kinds)}, comma-separated")
     task.kinds = kinds
+    if args.sft:
+        from .demo_vision_sft import run as run_sft
+
+        return run_sft(args, kinds)
     vrng = random.Random(10_000 + args.seed)  # the held-out scenes: a stream the training never draws from
     scenes = [task._scene(vrng) for _ in range(args.val_scenes)]
     asked = [k for _ in scenes for k in task.kinds]  # each held-out scene with every question
@@ -190,12 +208,8 @@ def run(args) -> int:
           f"{args.steps} steps x {args.batch_size} scenes; {len(asked)} held-out questions")
     after = args.steps // 2 if args.vision_after is None else args.vision_after
     model = train(task, args.steps, args.batch_size, args.lr, args.vision_lr, after, args.seed, val)
-    r = evaluate(task, model, val, asked)
-    print(f"validation answer loss: {r['val_loss_image']:.3f} with the image, {r['val_loss_shuffled']:.3f} with a "
-          f"shuffled image ({r['val_loss_shuffled'] / max(r['val_loss_image'], 1e-9):.1f}x)")
-    print(f"held-out accuracy: {r['accuracy_image']:.1%} with the image, {r['accuracy_shuffled']:.1%} with a shuffled "
-          "image; by question: " + ", ".join(f"{k} {v:.1%}" for k, v in r["accuracy_by_question"].items())
-          + f" (chance: {', '.join(f'{k} {CHANCE[k]:.0%}' for k in kinds)})")
+    r = evaluate(model, val, asked, task.kinds)
+    report(r, kinds)
     out = Path(args.out)
     save_pretrained(model, out)
     (out / "results.json").write_text(json.dumps({**r, "steps": args.steps, "batch_size": args.batch_size,

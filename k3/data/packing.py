@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-__all__ = ["split_documents", "pack_stream", "pack", "PackedDataset", "count_targets"]
+__all__ = ["split_documents", "pack_stream", "pack", "PackedDataset", "count_targets", "media_inputs"]
 
 
 def _hash64(text: str) -> int:
@@ -64,6 +64,12 @@ def count_targets(cu_seqlens: torch.Tensor, labels: torch.Tensor | None, shift: 
     lab = labels.reshape(-1)
     doc = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1), cu_seqlens[1:] - cu_seqlens[:-1])
     return int(((doc[shift:] == doc[:-shift]) & (lab[shift:] != -100)).sum())
+
+
+def media_inputs(batch: dict, device) -> dict:
+    """The model's keyword inputs besides the tokens that a batch carries under "media" (a multimodal model's
+    ``pixels``, ``grids``, ``image_tokens``: k3.post.sft_images), tensors on ``device``; {} for a text batch."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.get("media", {}).items()}
 
 
 def _sample(tokens: torch.Tensor, doc_starts: torch.Tensor, i: int, seq_len: int):

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..data.packing import count_targets
+from ..data.packing import count_targets, media_inputs
 from ..ops.varlen import place_cu_seqlens
 from ..train.plan import StepLoss
 from .context_parallel import cp_model_loss
@@ -173,7 +173,8 @@ class ParallelPlan:
         labels = ids if labels is None else place_tokens(labels, self.device)  # fine-tuning: -100 = no target
         C = self.dims.cp
         if C == 1:
-            out = model(ids, cu_seqlens=cu, labels=labels, mtp_weight=mtp_weight, return_logits=False)
+            out = model(ids, cu_seqlens=cu, labels=labels, mtp_weight=mtp_weight, return_logits=False,
+                        **media_inputs(batch, self.device))
             lm, mtp = out["lm_loss"], out.get("mtp_loss")
         else:
             T = ids.shape[1]

@@ -7,6 +7,7 @@ refused here with how much more text, or which smaller setting, would do.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,9 @@ class RunData:
     train: PackedDataset
     val: PackedDataset  # drop_last=False: every validation token is scored
     unigram_entropy: float  # of the validation tokens
+    # (config, device, resume_from, init_dir) -> (model, trainer state or None), as k3.train.trainer.build_model
+    # (the default, a text model); k3.post.sft_images' for a multimodal model
+    build_model: Callable | None = None
 
 
 def documents(cfg):

@@ -18,7 +18,7 @@ import torch
 
 from ..config import K3Config
 from ..data import PackedDataset
-from ..data.packing import count_targets
+from ..data.packing import count_targets, media_inputs
 from . import data as run_data
 from .interrupt import StopRequest, TrainingInterrupted
 from .metrics import MetricsLog, Progress, moe_layer_labels, read_metrics
@@ -75,6 +75,7 @@ class TrainConfig:
     qat: str | None = None  # "mxfp4": quantisation-aware training of the routed experts (SPEC §6)
     init_from: str | None = None  # start from this checkpoint's weights and tokenizer (fine-tuning, e.g. QAT)
     chat: bool = False  # k3 sft: --data is JSONL of chat messages; the loss is on the assistant's tokens only
+    vision: str | None = None  # k3 sft: a new vision tower of this k3.vision preset for a model without one
 
     def __post_init__(self):
         def need(ok: bool, name: str, what: str) -> None:
@@ -154,7 +155,8 @@ def evaluate(model, dataset: PackedDataset, batch_size: int, max_batches: int, d
         ids, cu = b["input_ids"].to(device), b["cu_seqlens"].to(device)
         labels = b["labels"].to(device) if "labels" in b else ids
         with amp:
-            loss = model(ids, cu_seqlens=cu, labels=labels, mtp_weight=0.0, return_logits=False)["lm_loss"]
+            loss = model(ids, cu_seqlens=cu, labels=labels, mtp_weight=0.0, return_logits=False,
+                         **media_inputs(b, device))["lm_loss"]
         total, n = total + loss.item() * count, n + count
     model.train(was)
     return total / max(n, 1)
@@ -206,7 +208,8 @@ def _train(cfg: TrainConfig, plan: TrainingPlan, log, stop: StopRequest, prepare
     mcfg = _model_config(cfg, data.tokenizer)
 
     torch.manual_seed(cfg.seed)
-    model, state = build_model(mcfg, device, resume_from, None if resume_from else run_data.init_dir(cfg))
+    model, state = (data.build_model or build_model)(mcfg, device, resume_from,
+                                                      None if resume_from else run_data.init_dir(cfg))
     trainer = Trainer(cfg, plan, model, state, saved_steps, log)
     if state is not None:
         train_set.load_state_dict(state["data"])

@@ -153,10 +153,11 @@ class ActivationManager:
 
     def attach(self, model: nn.Module) -> None:
         from ..model.block import DecoderLayer
+        from ..model.transformer import K3Model
 
-        if self.policy.layers == "recompute":
-            model.model.gradient_checkpointing = True  # k3's own layer recompute (K3Model.forward)
         for m in model.modules():
+            if self.policy.layers == "recompute" and isinstance(m, K3Model):  # a K3ForCausalLM's or a multimodal one's
+                m.gradient_checkpointing = True  # k3's own layer recompute (K3Model.forward)
             if isinstance(m, DecoderLayer):
                 m.register_forward_pre_hook(self._enter_layer)
                 m.register_forward_hook(self._leave_layer, always_call=True)

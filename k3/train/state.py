@@ -33,7 +33,8 @@ TRAINER_FILES = ("tokenizer.json", "trainer_state.pt", "train_config.json")
 # settings a run cannot change on resume: the data cursor, the optimiser state or the model depend on them
 # (--steps may change: see k3.train.schedule)
 FIXED_ON_RESUME = ("preset", "config", "data", "data_max_bytes", "doc_chars", "val_fraction", "vocab_size", "seq_len",
-                   "batch_size", "grad_accum", "lr", "weight_decay", "warmup_frac", "min_lr_ratio", "balance", "seed")
+                   "batch_size", "grad_accum", "lr", "weight_decay", "warmup_frac", "min_lr_ratio", "balance", "seed",
+                   "vision")
 
 
 def rng_state() -> dict:
@@ -130,9 +131,10 @@ def check_resumable(ckpt: Path, train_config: dict, verify: bool = True) -> tupl
     return read_step(ckpt), saved["steps"]
 
 
-def load_checkpoint(ckpt: Path, expected: K3Config | None, device="cpu", verify: bool = True):
+def load_checkpoint(ckpt: Path, expected: K3Config | None, device="cpu", verify: bool = True, vision: bool = False):
     """-> (model, trainer_state). Raises CheckpointError naming what does not match or cannot be read.
-    ``verify``: check every file against the checkpoint's SHA256SUMS first."""
+    ``verify``: check every file against the checkpoint's SHA256SUMS first. ``vision``: the multimodal model
+    (``load_pretrained``'s)."""
     ckpt = Path(ckpt)
     if verify:
         verify_checksums(ckpt)
@@ -141,7 +143,8 @@ def load_checkpoint(ckpt: Path, expected: K3Config | None, device="cpu", verify:
         diff = [f for f in expected.__dataclass_fields__ if getattr(saved, f) != getattr(expected, f)]
         raise CheckpointError(f"{ckpt} was written for another model config (fields differ: {diff}); "
                               f"resume with the same --preset/--config or start a new --out directory")
-    model = load_pretrained(ckpt, config=saved, device=device, dtype=torch.float32, verify=False)  # verified above
+    model = load_pretrained(ckpt, config=saved, device=device, dtype=torch.float32, verify=False,  # verified above
+                            vision=vision)
     state = _load(ckpt / "trainer_state.pt")
     world = dist.get_world_size() if dist.is_initialized() else 1
     if state.get("world_size", 1) != world:

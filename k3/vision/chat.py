@@ -34,7 +34,7 @@ from .config import VisionConfig
 from .preprocess import MAX_PATCHES, MAX_PIXELS, ImageError, ImageInput, load_image, pack_images
 from .prompt import IMAGE_SLOT, expand_image_slots
 
-__all__ = ["ChatImages", "encode_chat", "has_images", "image_source", "data_url"]
+__all__ = ["ChatImages", "encode_chat", "has_images", "is_image_part", "image_source", "data_url"]
 
 
 @dataclass
@@ -53,10 +53,10 @@ class ChatImages:
 
 
 def has_images(messages: Sequence[Mapping]) -> bool:
-    return any(isinstance(m.get("content"), list) and any(_is_image(p) for p in m["content"]) for m in messages)
+    return any(isinstance(m.get("content"), list) and any(is_image_part(p) for p in m["content"]) for m in messages)
 
 
-def _is_image(part: Any) -> bool:
+def is_image_part(part: Any) -> bool:
     return isinstance(part, Mapping) and part.get("type") in ("image_url", "image")
 
 
@@ -148,7 +148,7 @@ def encode_chat(template, tokenizer, messages: Sequence[Mapping], vision: Vision
         text = []
         for j, part in enumerate(content):
             where = f"messages[{i}].content[{j}]"
-            if _is_image(part):
+            if is_image_part(part):
                 try:
                     images.append(load_image(image_source(part, where, base_dir), vision, max_pixels=max_pixels,
                                              max_patches=max_patches, name=where))

@@ -24,7 +24,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["VisionConfig", "VISION_PRESETS", "DEFAULT_MEDIA_PLACEHOLDER_ID"]
+__all__ = ["VisionConfig", "VISION_PRESETS", "DEFAULT_MEDIA_PLACEHOLDER_ID", "vision_of", "placeholder_of"]
 
 DEFAULT_MEDIA_PLACEHOLDER_ID = 163605  # ``<|media_pad|>`` in the Kimi tokenizers (K2.5 and K3 configs)
 _ACTS = ("gelu_pytorch_tanh", "gelu")
@@ -205,3 +205,10 @@ def vision_of(top_level: dict[str, Any] | None) -> VisionConfig | None:
     if not top_level or "vision_config" not in top_level:
         return None
     return VisionConfig.from_hf(top_level["vision_config"], top_level)
+
+
+def placeholder_of(top_level: dict[str, Any]) -> int:
+    """The image placeholder token id of a multimodal wrapper: ``media_placeholder_token_id`` (transformers'
+    Kimi_K25Config names it ``image_token_id``), else the Kimi tokenizers' ``<|media_pad|>``."""
+    default = top_level.get("image_token_id", DEFAULT_MEDIA_PLACEHOLDER_ID)
+    return int(top_level.get("media_placeholder_token_id", default))

@@ -4,8 +4,9 @@ Legend: B batch, T tokens, D the LM's width, n image tokens (merged patches), M 
 
 Image tokens replace the media placeholder token in the text stream: each image of h x w patches gives h*w/M tokens
 (``tokens_per_image``), the projector maps each merged 2 x 2 neighbourhood [M, Dv] to one [D] embedding, and those
-embeddings take the places of the prompt's placeholder tokens, image after image (``embed``). The placeholder
-positions carry no next-token loss (``labels`` there are ignored).
+embeddings take the places of the prompt's placeholder tokens, image after image (``embed``); a packed training
+row that holds only part of an image's run (a sample cut inside it) says which of the images' tokens it holds
+(``image_tokens``). The placeholder positions carry no next-token loss (``labels`` there are ignored).
 
 Module names are the release's: ``language_model.`` (a K3ForCausalLM), ``vision_tower.``, ``mm_projector.``.
 """
@@ -19,7 +20,7 @@ from torch import nn
 
 from ..config import K3Config
 from ..model.transformer import CausalLMOutput, K3ForCausalLM
-from .config import DEFAULT_MEDIA_PLACEHOLDER_ID, VisionConfig, vision_of
+from .config import VisionConfig, placeholder_of, vision_of
 from .tower import MoonViT
 
 __all__ = ["K3ForConditionalGeneration", "Projector", "tokens_per_image", "count_vision_parameters"]
@@ -83,10 +84,12 @@ def _init_vision(module: nn.Module, num_layers: int, std: float = 0.02) -> None:
 class K3ForConditionalGeneration(nn.Module):
     """``config``: the text model's K3Config; its ``top_level`` (the multimodal wrapper of config.json) holds
     ``vision_config`` and ``media_placeholder_token_id``. ``vision`` / ``media_placeholder_token_id`` set them
-    (and are written into ``config.top_level``, so that ``save_pretrained`` writes the release's wrapper)."""
+    (and are written into ``config.top_level``, so that ``save_pretrained`` writes the release's wrapper).
+    ``language_model``: a text model to give the new tower and projector to (its weights kept; ``k3 sft --vision``)
+    instead of a freshly initialised one."""
 
     def __init__(self, config: K3Config, vision: VisionConfig | None = None,
-                 media_placeholder_token_id: int | None = None):
+                 media_placeholder_token_id: int | None = None, language_model: K3ForCausalLM | None = None):
         super().__init__()
         vision = vision or vision_of(config.top_level)
         if vision is None:
@@ -99,15 +102,19 @@ class K3ForConditionalGeneration(nn.Module):
         top["vision_config"] = vision.to_hf()
         if media_placeholder_token_id is not None:
             top["media_placeholder_token_id"] = media_placeholder_token_id
-        # transformers' Kimi_K25Config names it image_token_id
-        top.setdefault("media_placeholder_token_id", top.get("image_token_id", DEFAULT_MEDIA_PLACEHOLDER_ID))
+        top["media_placeholder_token_id"] = placeholder_of(top)
         self.media_placeholder_token_id = int(top["media_placeholder_token_id"])
         if not 0 <= self.media_placeholder_token_id < config.vocab_size:
             raise ValueError(f"media_placeholder_token_id {self.media_placeholder_token_id} is outside the vocabulary "
                              f"[0, {config.vocab_size}); give the id of the tokenizer's image placeholder token")
         self.config = config.replace(top_level=top)
         self.vision_config = vision
-        self.language_model = K3ForCausalLM(self.config)
+        if language_model is None:
+            language_model = K3ForCausalLM(self.config)
+        elif language_model.config.replace(top_level=None) != self.config.replace(top_level=None):
+            raise ValueError("language_model was built for another config than the one given: pass its own config")
+        language_model.config = self.config
+        self.language_model = language_model
         self.vision_tower = MoonViT(vision)
         self.mm_projector = Projector(vision, config.hidden_size)
         _init_vision(self.vision_tower, vision.vt_num_hidden_layers)
@@ -120,32 +127,38 @@ class K3ForConditionalGeneration(nn.Module):
         return self.mm_projector(self.vision_tower(pixels, grids))
 
     def embed(self, input_ids: torch.Tensor, pixels: torch.Tensor | None = None,
-              grids: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
+              grids: Sequence[tuple[int, int]] = (), image_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B,T] -> [B,T,D]: token embeddings with the images' embeddings at the placeholder positions
-        (in reading order, row by row of the batch)."""
+        (in reading order, row by row of the batch). ``image_tokens`` [n]: which rows of ``encode_images`` the
+        placeholders take, in their order (a packed row holding part of an image); None: all of them."""
         x = self.language_model.model.embed_tokens(input_ids)
         mask = input_ids == self.media_placeholder_token_id
         n_slots = int(mask.sum())
         n_image = sum(tokens_per_image(g, self.vision_config) for g in grids)
-        if n_slots != n_image:
+        n_taken = n_image if image_tokens is None else len(image_tokens)
+        if n_slots != n_taken:
             raise ValueError(f"the input has {n_slots} image placeholder tokens (id {self.media_placeholder_token_id}) "
-                             f"but the images {list(grids)} give {n_image} tokens: each image needs h*w/"
+                             f"but the images {list(grids)} give {n_taken} tokens"
+                             + ("" if image_tokens is None else " (image_tokens)") + ": each image needs h*w/"
                              f"{self.vision_config.merge} placeholders (k3.vision.encode_chat builds such prompts)")
         if not n_image:
             return x
-        features = self.encode_images(pixels, grids).to(x.dtype)
+        features = self.encode_images(pixels, grids).to(x.dtype)  # [n_image, D]
+        if image_tokens is not None:
+            features = features[image_tokens]
         return x.masked_scatter(mask[..., None], features)
 
     # ---- the model --------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, pixels: torch.Tensor | None = None,
-                grids: Sequence[tuple[int, int]] = (), labels: torch.Tensor | None = None, **kwargs) -> CausalLMOutput:
+                grids: Sequence[tuple[int, int]] = (), labels: torch.Tensor | None = None,
+                image_tokens: torch.Tensor | None = None, **kwargs) -> CausalLMOutput:
         """As ``K3ForCausalLM.forward`` (``cu_seqlens``, ``mtp_weight``, ``return_logits``, ...), with the images of
-        the input: ``pixels`` [patches,3,p,p] and ``grids`` [(h, w)] in placeholder order. Labels at placeholder
-        positions are ignored."""
+        the input: ``pixels`` [patches,3,p,p] and ``grids`` [(h, w)] in placeholder order (``image_tokens``: as
+        ``embed``). Labels at placeholder positions are ignored."""
         if labels is not None:
             labels = labels.masked_fill(input_ids == self.media_placeholder_token_id, -100)
-        return self.language_model(input_ids, labels=labels, inputs_embeds=self.embed(input_ids, pixels, grids),
-                                   **kwargs)
+        return self.language_model(input_ids, labels=labels,
+                                   inputs_embeds=self.embed(input_ids, pixels, grids, image_tokens), **kwargs)
 
     def fuse_projections(self) -> "K3ForConditionalGeneration":
         """For inference: the language model's fused projections (``K3ForCausalLM.fuse_projections``)."""

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["IMAGE_SLOT", "MEDIA_BEGIN", "MEDIA_CONTENT", "MEDIA_END", "expand_image_slots"]
+__all__ = ["IMAGE_SLOT", "MEDIA_PAD", "MEDIA_BEGIN", "MEDIA_CONTENT", "MEDIA_END", "expand_image_slots"]
 
 IMAGE_SLOT = -1  # never a token id
+MEDIA_PAD = "<|media_pad|>"  # the placeholder token of the Kimi tokenizers (and of k3 BPEs learned for images)
 MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END = "<|media_begin|>", "<|media_content|>", "<|media_end|>"
 
 

@@ -28,7 +28,8 @@ def test_labels_are_exactly_the_assistant_tokens(chat_tokenizer):
     fmt = ChatFormat(chat_tokenizer)
     msgs = [{"role": "user", "content": "What is 1 + 2?"}, {"role": "assistant", "content": "3"},
             {"role": "user", "content": "And 2 + 2?"}, {"role": "assistant", "content": "4", "reasoning_content": "2+2"}]
-    [(ids, labels)] = encode_conversation(fmt, msgs, "high")
+    [(ids, labels, images, starts)] = encode_conversation(fmt, msgs, "high")
+    assert images == starts == ()
     # the whole conversation is the prompt of the last turn + its completion; every earlier token is the prompt
     # of the first turn, its completion, then the second turn's prompt
     p1, c1 = fmt.prompt_ids(msgs[:1], "high"), fmt.completion_ids(msgs[1], "high")

@@ -46,3 +46,17 @@ def test_a_short_run_reads_the_image(tmp_path, capsys):
     with torch.no_grad():
         loss, right = answer_stats(model.eval(), ex)
     assert right.float().mean() > 0.5  # the reloaded model still answers from the image
+
+
+def test_the_sft_variant_writes_chat_data_with_images_and_scores_it(tmp_path, capsys):
+    """``--sft``'s plumbing at a few steps (what it measures at full size is in benchmarks/RESULTS.md)."""
+    out = tmp_path / "dvs"
+    assert main(["demo-vision", "--sft", "--steps", "3", "--batch-size", "8", "--val-scenes", "4", "--out",
+                 str(out)]) == 0
+    train = [json.loads(line) for line in (out / "data" / "train.jsonl").read_text().splitlines()]
+    assert len(train) == 24 and train[0]["messages"][0]["content"][0]["image_url"]["url"].startswith("data:image/png")
+    r = json.loads((out / "results.json").read_text())
+    assert r["via"] == "k3 sft" and r["val_questions"] == 12 and r["train_scenes"] == 24
+    assert f"{r['val_loss_image']:.3f} with the image" in capsys.readouterr().out
+    assert K3ForConditionalGeneration.from_pretrained(out / "sft" / "checkpoint").vision_config == \
+        VisionConfig.preset("tiny")

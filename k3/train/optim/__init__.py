@@ -6,7 +6,8 @@
 Muon gets every 2-D hidden matrix; attention projections whose rows (or, for output projections, columns) are
 grouped by head are orthogonalised per head ("rows:H" / "cols:H"), routed experts [E, out, in] per expert
 ("experts"). AdamW gets embeddings, the LM head, norms, biases, A_log/dt_bias, conv taps, the AttnRes
-pseudo-queries [1, D] and any other vector. Both share one lr: Muon's step is scaled to AdamW's RMS.
+pseudo-queries [1, D] and any other vector; of a vision tower (k3.vision), its patch embedding (a Conv2d) and its
+learned position grid (``pos_emb``, an embedding table). Both share one lr: Muon's step is scaled to AdamW's RMS.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class ParamPlan(NamedTuple):
 _KDA_HEADS = {"q_proj": "rows", "k_proj": "rows", "v_proj": "rows", "g_proj": "rows", "f_b_proj": "rows",
               "g_b_proj": "rows", "o_proj": "cols"}
 _MLA_HEADS = {"q_proj": "rows", "q_b_proj": "rows", "kv_b_proj": "rows", "g_proj": "rows", "o_proj": "cols"}
-_ADAMW_NAMES = ("embed_tokens", "lm_head")
+_ADAMW_NAMES = ("embed_tokens", "lm_head", "pos_emb")
 
 
 def _head_splits(model: nn.Module) -> dict[str, str]:
@@ -55,7 +56,7 @@ def describe_param_groups(model: nn.Module, per_head: bool = True) -> dict[str, 
     """For each parameter name, which optimiser and split it gets (tied weights appear once)."""
     heads = _head_splits(model)
     convs = {f"{m}.{p}" if m else p for m, mod in model.named_modules()
-             if isinstance(mod, (ShortConvolution, nn.Conv1d)) for p, _ in mod.named_parameters(recurse=False)}
+             if isinstance(mod, (ShortConvolution, nn.Conv1d, nn.Conv2d)) for p, _ in mod.named_parameters(recurse=False)}
     plan = {}
     for name, p in model.named_parameters():
         split = heads.get(name)

@@ -287,11 +287,6 @@ class ModelRunner:
             fn(*args)
         return g
 
-    def capture_all(self) -> None:
-        """Capture every bucket now (largest first, sharing one memory pool) instead of on first use."""
-        for bs in sorted(self.sizes, reverse=True):
-            self._graph_for(bs)
-
     def _graph_for(self, bs: int) -> torch.cuda.CUDAGraph:
         if bs not in self._graphs:
             self._reset_rows(0, bs)

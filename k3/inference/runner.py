@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.grouped_mm import fused_dtypes
+from ..ops.moe_decode import DECODE_ROWS
 from .mixers import DecodeMixer, PrefillMixer, register_pool, release_pool
 from .pool import PagePool
 from .sampler import TOP_LOGPROBS, sample
@@ -78,12 +79,16 @@ class ModelRunner:
         L = pool.layout
         self.max_pages = max(1, L.mla_pages(max_context + 1))
         dtype = next(model.parameters()).dtype
-        capable = self.device.type == "cuda" and dtype in fused_dtypes()
-        if cuda_graphs and not capable:
-            raise ValueError(f"CUDA graphs need a CUDA device and a {' or '.join(map(str, fused_dtypes()))} model "
-                             f"(the experts' grouped matmul must not wait for the host); got {self.device} and "
-                             f"{dtype}: pass cuda_graphs=False or load the model in bf16")
-        self.use_graphs = capable if cuda_graphs is None else cuda_graphs
+        cuda = self.device.type == "cuda"
+        # a captured step must never wait for the host: the experts' grouped matmul is one fused call in bf16 only,
+        # but a decode batch of at most DECODE_ROWS routed rows takes the fused decode kernels in any dtype
+        fused_decode = max_batch * model.config.num_experts_per_token <= DECODE_ROWS
+        if cuda_graphs and not (cuda and (dtype in fused_dtypes() or fused_decode)):
+            raise ValueError(f"CUDA graphs need a CUDA device and either a {' or '.join(map(str, fused_dtypes()))} "
+                             f"model or max_batch x experts per token <= {DECODE_ROWS} (the experts' grouped matmul "
+                             f"must not wait for the host); got {self.device}, {dtype} and max_batch {max_batch}: "
+                             "pass cuda_graphs=False, load the model in bf16 or lower max_batch")
+        self.use_graphs = (cuda and dtype in fused_dtypes()) if cuda_graphs is None else cuda_graphs
         self.compile = self.use_graphs if compile is None else compile
         self.sizes = sorted({s for s in graph_sizes if s < max_batch} | {max_batch})
         self._forward, self._sample = self._decode_logits, sample

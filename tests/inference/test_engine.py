@@ -273,3 +273,8 @@ def test_a_tokenizer_larger_than_the_model_is_refused(tok):
     with pytest.raises(ValueError, match=r"tokenizer has \d+ tokens but the model's vocabulary has 100"):
         Engine(K3ForCausalLM(cfg), tok, SMALL)
 
+
+
+def test_cuda_graphs_asked_for_where_they_cannot_run_are_refused_by_name(tok):
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device.*cuda_graphs=False"):
+        Engine(make_model(tok), tok, EngineConfig(num_pages=16, page_tokens=64, hash_block=32, cuda_graphs=True))

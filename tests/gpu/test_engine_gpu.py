@@ -32,9 +32,11 @@ def setup():
     tok = train_tokenizer(["def f(x):\n    return x\n", "import os\n"] * 30, 300)
     torch.manual_seed(0)
     cfg = K3Config.preset("small").replace(vocab_size=4096, num_nextn_predict_layers=0)
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     model = K3ForCausalLM(cfg).to("cuda").eval()
-    return tok, model, copy.deepcopy(model).to(torch.bfloat16)  # (tokenizer, fp32 model, bf16 model)
+    yield tok, model, copy.deepcopy(model).to(torch.bfloat16)  # (tokenizer, fp32 model, bf16 model)
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 def _engines(tok, model):

@@ -27,14 +27,22 @@ def _rel(a, b):
     return float((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt())
 
 
+@pytest.fixture
+def ieee_matmuls():
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+@pytest.mark.usefixtures("ieee_matmuls")
 @pytest.mark.parametrize("backend", ["fla", "torch"])
 @torch.no_grad()
 def test_prefill_then_eager_decode_match_the_full_forward(backend):
     tok = train_tokenizer(["def f(x):\n    return x\n", "import os\n"] * 30, 300)
     torch.manual_seed(0)
     model = K3ForCausalLM(K3Config.preset("small").replace(vocab_size=4096, num_nextn_predict_layers=0))
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    model = model.to("cuda", torch.float32).eval()
+    model = model.to("cuda", torch.float32).eval()  # TF32 off: the ieee_matmuls fixture
     model.set_kda_backend(backend)
     eng = Engine(model, tok, EngineConfig(num_pages=256, page_tokens=256, hash_block=256, prefill_chunk=4096,
                                           step_tokens=8192, max_batch=8, prefix_cache=False, cuda_graphs=False))

@@ -96,7 +96,9 @@ def timing(recs: list[dict], warm: int) -> dict:
     groups = sum(r["groups"] for r in rs) / n
     return {"step_s": step_s, "rollout_s": sum(r["rollout_s"] for r in rs) / n, "groups_per_step": groups,
             "s_per_group": step_s / groups, "carried": sum(r["carried"] for r in rs) / n,
-            "staleness": sum(r["staleness"] for r in rs) / n, "reply_tokens": sum(r["length/max"] for r in rs) / n}
+            "staleness": sum(r["staleness"] for r in rs) / n, "reply_tokens": sum(r["length/max"] for r in rs) / n,
+            "reply_p90": sum(r["length_p90/max"] for r in rs) / n, "reply_max": max(r["length_max/max"] for r in rs),
+            "rollout_tokens": sum(r["rollout_tokens"] for r in rs) / n}
 
 
 def main():
@@ -107,8 +109,11 @@ def main():
     p.add_argument("--tasks", default="arithmetic,sorting")
     p.add_argument("--difficulty", default="arithmetic=3,sorting=6", help="TASK=D,...: each task's difficulty")
     p.add_argument("--arith-ops", default="+-", help="arithmetic's operations (of + - *)")
+    p.add_argument("--sorting-lengths", default="uniform", help="sorting's list lengths: uniform or long-tail")
     p.add_argument("--sft-problems", type=int, default=1000, help="per task and effort")
     p.add_argument("--sft-steps", type=int, default=800)
+    p.add_argument("--sft-init", default=None, help="fine-tune this checkpoint (and keep its tokenizer) instead of "
+                   "training a new model")
     p.add_argument("--sft-batch", type=int, default=8)
     p.add_argument("--sft-seq-len", type=int, default=128)
     p.add_argument("--rl-steps", type=int, default=150)
@@ -130,7 +135,8 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     difficulty = {k: int(v) for k, v in (kv.split("=") for kv in args.difficulty.split(",") if kv)}
     tasks = {n: dataclasses.replace(get_task(n), **({"difficulty": difficulty[n]} if n in difficulty else {}),
-                                    **({"ops": tuple(args.arith_ops)} if n == "arithmetic" else {}))
+                                    **({"ops": tuple(args.arith_ops)} if n == "arithmetic" else {}),
+                                    **({"lengths": args.sorting_lengths} if n == "sorting" else {}))
              for n in args.tasks.split(",")}
     results = out / "results.json"
     res = json.loads(results.read_text()) if results.exists() else {}
@@ -150,7 +156,7 @@ def main():
             lines += f.read_text().splitlines()
         (out / "sft.jsonl").write_text("\n".join(lines) + "\n")
         cfg = TrainConfig(out=str(out / "sft"), preset=args.preset, chat=True, data=str(out / "sft.jsonl"),
-                          vocab_size=512, steps=args.sft_steps, batch_size=args.sft_batch, seq_len=args.sft_seq_len,
+                          vocab_size=512, init_from=args.sft_init, steps=args.sft_steps, batch_size=args.sft_batch, seq_len=args.sft_seq_len,
                           lr=3e-3, eval_every=args.sft_steps, log_every=10, save_every=args.sft_steps,
                           device=args.device)
         train(cfg, log=lambda *a: None, prepare=prepare)

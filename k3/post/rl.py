@@ -266,7 +266,9 @@ def _rewards(cfg: RLConfig, ready: list[dict], tasks: dict, fmt: ChatFormat, tea
     n = max(len(rewards_all), 1)
     out = {"reward": sum(rewards_all) / n, "accuracy": sum(correct_all) / n, "over_budget": over / n}
     for e, lens in per_effort.items():
+        lens = sorted(lens)
         out[f"length/{e}"] = sum(lens) / len(lens)
+        out[f"length_p90/{e}"], out[f"length_max/{e}"] = lens[int(0.9 * (len(lens) - 1))], lens[-1]
         if not teachers:
             out[f"tau/{e}"] = tau_at(step, cfg.train.steps, cfg.taus[e], cfg.tau_from, cfg.anneal_frac)
     return out

@@ -75,10 +75,14 @@ class Rollout:
         self.tokenizer, self.stop, self.max_tokens, self.version = tokenizer, tuple(stop), max_tokens, version
         self.eos, self.temperature = eos_id(tokenizer), temperature  # training rollouts: 1 (see the docstring)
         self.engine = Engine(policy_copy(policy), tokenizer, engine_config or EngineConfig(
-            page_tokens=512, num_pages=520, max_batch=256, step_tokens=8192, async_scheduling=False))
+            page_tokens=512, num_pages=520, max_batch=256, step_tokens=8192, async_scheduling=False,
+            prefix_cache=False))
         if self.engine.async_scheduling:
             raise ValueError("Rollout needs EngineConfig(async_scheduling=False): a token sampled by one policy "
                              "version must be delivered before the weights change")
+        if self.engine.prefix is not None:  # its pages are keyed by tokens alone: they would outlive a load
+            raise ValueError("Rollout needs EngineConfig(prefix_cache=False): load() changes the weights in place, "
+                             "and a cached prefix would give a resubmitted trajectory the old policy's cache")
         self._live: dict[int, tuple[Trajectory, object]] = {}  # id(trajectory) -> (it, its request's handle)
 
     @torch.no_grad()

@@ -125,3 +125,16 @@ def test_a_stop_string_split_over_chunks_ends_the_reply_after_it(chat_tokenizer)
     t = Trajectory(0, [1], 0, tokens=extra, logprobs=[-1.0] * len(extra), versions=[0] * len(extra))
     r._settle(t, 0, "length")
     assert not t.done  # a chunk limit without a stop string: carried over
+
+
+def test_rollout_refuses_an_engine_that_would_outlive_a_load(chat_tokenizer):
+    """load() changes the weights in place: a prefix cache (keyed by tokens) or asynchronous scheduling would give
+    a trajectory tokens or a cache of another policy version; both are refused, naming the field."""
+    from k3.inference.engine import EngineConfig
+
+    model, fmt = tiny(chat_tokenizer), ChatFormat(chat_tokenizer)
+    for field in ("prefix_cache", "async_scheduling"):
+        cfg = EngineConfig(page_tokens=512, num_pages=520, prefix_cache=field == "prefix_cache",
+                           async_scheduling=field == "async_scheduling")
+        with pytest.raises(ValueError, match=f"{field}=False"):
+            Rollout(model, chat_tokenizer, fmt.stop, 8, version=0, engine_config=cfg)

@@ -5,6 +5,7 @@ SFT JSONL that k3.post.sft_data reads."""
 from __future__ import annotations
 
 import json
+import random
 import os
 import socket
 import time
@@ -151,6 +152,24 @@ def test_difficulty_sets_the_size():
         Sorting().generate("valid", 3)
     with pytest.raises(ValueError, match="fewer than 50 distinct"):
         Arithmetic(difficulty=1, ops=("+",)).generate("test", 50)
+
+
+def test_sorting_long_tail_lengths():
+    """lengths="long-tail": P(n) = (1/n) / sum_k 1/k over 2..d; most lists short, the longest still drawn."""
+    from collections import Counter
+
+    d, draws = 16, 4000
+    rng = random.Random(0)
+    task = Sorting(difficulty=d, lengths="long-tail")
+    counts = Counter(len(task.sample(rng).meta["xs"]) for _ in range(draws))
+    z = sum(1 / k for k in range(2, d + 1))
+    for n in range(2, d + 1):  # within 4 binomial standard errors of the stated law
+        p = 1 / n / z
+        assert abs(counts[n] / draws - p) < 4 * (p * (1 - p) / draws) ** 0.5, n
+    uniform = Counter(len(Sorting(difficulty=d).sample(rng).meta["xs"]) for _ in range(draws))
+    assert uniform[2] < counts[2] / 2 and uniform[d] > 2 * counts[d]
+    with pytest.raises(ValueError, match="lengths must be one of"):
+        Sorting(lengths="zipf")
 
 
 # ------------------------------------------------------------------------------------------------- the sandbox

@@ -1,7 +1,11 @@
 """Sorting a list of integers: "Sort: 5 3 9 1 3" -> "1 3 3 5 9" (ascending).
 
 ``difficulty`` d: lists of 2..d numbers drawn from 0..``max_value`` (9 by default: one token per number under the
-byte-level tokenizers). The check compares the integers of the final answer (spaces or commas between them).
+byte-level tokenizers). ``lengths``: how a list's length n is drawn from 2..d: "uniform" (each equally likely) or
+"long-tail" (P(n) proportional to 1/n: most lists short, a few long; at d = 16 about 45% have 2-4 numbers and 8%
+have 14-16, so the max-effort traces, whose length grows with n squared, run from ~10 to ~220 tokens: the reply
+lengths of a batch have the long tail that partial rollout is for). The check compares the integers of the final
+answer (spaces or commas between them).
 
 Reasoning at "max": selection sort, one line per step ("take 1 from 5 3 9 1 3": the smallest of what is left, found
 by comparing each), so its length grows with the square of the length; at "high" the length and the extremes; at
@@ -15,20 +19,28 @@ from dataclasses import dataclass
 
 from .base import Problem, Task, check_difficulty, check_effort, spaced
 
+LENGTHS = ("uniform", "long-tail")
+
 
 @dataclass(frozen=True)
 class Sorting(Task):
     difficulty: int = 6
     max_value: int = 9
+    lengths: str = "uniform"  # "uniform" | "long-tail": how a list's length is drawn (the module docstring)
     name = "sorting"
 
     def __post_init__(self):
         check_difficulty(self.name, self.difficulty, 2, 64)
         if not isinstance(self.max_value, int) or self.max_value < 1:
             raise ValueError(f"sorting: max_value must be an integer >= 1; got {self.max_value!r}")
+        if self.lengths not in LENGTHS:
+            raise ValueError(f"sorting: lengths must be one of {LENGTHS}; got {self.lengths!r}")
 
     def sample(self, rng: random.Random) -> Problem:
-        xs = [rng.randint(0, self.max_value) for _ in range(rng.randint(2, self.difficulty))]
+        sizes = range(2, self.difficulty + 1)
+        n = rng.randint(2, self.difficulty) if self.lengths == "uniform" else \
+            rng.choices(sizes, weights=[1 / k for k in sizes])[0]
+        xs = [rng.randint(0, self.max_value) for _ in range(n)]
         return Problem(self.name, f"Sort: {spaced(xs)}", spaced(sorted(xs)), {"xs": xs})
 
     def reference_reasoning(self, problem: Problem, effort: str = "max") -> str:

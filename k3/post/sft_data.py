@@ -145,7 +145,7 @@ def encode_conversation(fmt: ChatFormat, messages: list[dict], effort: str | Non
                         ) -> list[ChatDocument]:
     """-> one or more ChatDocuments; labels -100 except on the assistant turns' tokens. ``images``: how prompts
     with images are built (a model with a vision tower); ``where`` names the conversation in image errors."""
-    refs = images.read(messages, where) if images is not None else []
+    refs, loaded = images.read(messages, where) if images is not None else ([], {})
     docs: list[ChatDocument] = []
     ids: list[int] = []
     labels: list[int] = []
@@ -156,7 +156,7 @@ def encode_conversation(fmt: ChatFormat, messages: list[dict], effort: str | Non
         if not i:
             raise ValueError("a conversation cannot start with an assistant message: give the user's turn first")
         if refs:
-            prompt, starts = images.ids(fmt, messages[:i], effort, where)
+            prompt, starts = images.ids(fmt, messages[:i], effort, where, loaded)
         else:
             prompt, starts = fmt.prompt_ids(messages[:i], effort), []
         target = fmt.completion_ids(m, effort)

@@ -32,6 +32,7 @@ from ..config import K3Config
 from ..data import PackedDataset
 from ..train.state import load_checkpoint
 from ..vision import ImageError, K3ForConditionalGeneration, VisionConfig, load_image, tokens_per_image
+from ..vision.preprocess import ImageInput
 from ..vision.chat import encode_chat, has_images, image_source, is_image_part
 from ..vision.config import placeholder_of, vision_of
 
@@ -63,9 +64,10 @@ class ImagePrompt:
     def __init__(self, vision: VisionConfig, placeholder_id: int):
         self.vision, self.placeholder_id = vision, placeholder_id
 
-    def read(self, messages: Sequence[Mapping], where: str) -> list[ImageRef]:
-        """Every image part of ``messages``, in order, read and checked (``where``: the JSONL line, in errors)."""
-        refs = []
+    def read(self, messages: Sequence[Mapping], where: str) -> tuple[list[ImageRef], dict[int, ImageInput]]:
+        """Every image part of ``messages``, in order, read and checked (``where``: the JSONL line, in errors): their
+        refs, and the images read by ``id()`` of their part, for ``ids`` to reuse while ``messages`` lives."""
+        refs, loaded = [], {}
         for i, m in enumerate(messages):
             parts = m.get("content") if isinstance(m.get("content"), list) else []
             for j, part in enumerate(parts):
@@ -77,16 +79,19 @@ class ImagePrompt:
                     name += f" ({source})"
                 im = load_image(source, self.vision, name=name)
                 refs.append(ImageRef(source, name, im.grid, im.digest))
-        return refs
+                loaded[id(part)] = im
+        return refs, loaded
 
-    def ids(self, fmt, messages: Sequence[Mapping], effort: str | None, where: str) -> tuple[list[int], list[int]]:
-        """(prompt ids, where each image's placeholder run starts): ``fmt.prompt_ids`` with images in place."""
+    def ids(self, fmt, messages: Sequence[Mapping], effort: str | None, where: str,
+            loaded: Mapping[int, ImageInput]) -> tuple[list[int], list[int]]:
+        """(prompt ids, where each image's placeholder run starts): ``fmt.prompt_ids`` with images in place, the
+        images being ``read``'s (not decoded again for every assistant turn)."""
         msgs, reasoning_effort = fmt.messages(messages, effort)
         if not has_images(msgs):
             return fmt.prompt_ids(messages, effort), []
         try:
             out = encode_chat(fmt.template, fmt.tokenizer, msgs, self.vision, self.placeholder_id,
-                              reasoning_effort=reasoning_effort)
+                              reasoning_effort=reasoning_effort, loaded=loaded)
         except ValueError as e:  # text that holds the placeholder token itself
             raise ValueError(f"{where}: {e}") from None
         return out.ids, out.starts

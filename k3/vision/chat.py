@@ -133,10 +133,13 @@ class _Encoding:
 
 def encode_chat(template, tokenizer, messages: Sequence[Mapping], vision: VisionConfig, placeholder_id: int, *,
                 tools=None, tool_choice=None, reasoning_effort=None, base_dir: str | Path | None = None,
-                max_pixels: int = MAX_PIXELS, max_patches: int = MAX_PATCHES) -> ChatImages:
+                max_pixels: int = MAX_PIXELS, max_patches: int = MAX_PATCHES,
+                loaded: Mapping[int, ImageInput] | None = None) -> ChatImages:
     """``messages`` (content as a string or parts, above) -> ChatImages, rendered by ``template`` (a chat format of
     k3.serve.chat: ``template.prompt(tokenizer, messages, tools, tool_choice, reasoning_effort)``). Image errors are
-    ``ImageError``s naming the part (``param``); ``max_pixels`` / ``max_patches`` as ``k3.vision.load_image``."""
+    ``ImageError``s naming the part (``param``); ``max_pixels`` / ``max_patches`` as ``k3.vision.load_image``.
+    ``loaded``: images already read, by ``id()`` of their part (the caller keeps the parts alive), used instead of
+    reading them again."""
     sentinel = f"\ue000k3-image-{secrets.token_hex(8)}\ue000"  # a fresh one per call: no text can hold it
     images: list[ImageInput] = []
     flat = []
@@ -148,7 +151,10 @@ def encode_chat(template, tokenizer, messages: Sequence[Mapping], vision: Vision
         text = []
         for j, part in enumerate(content):
             where = f"messages[{i}].content[{j}]"
-            if is_image_part(part):
+            if is_image_part(part) and loaded is not None and id(part) in loaded:
+                images.append(loaded[id(part)])
+                text.append(sentinel)
+            elif is_image_part(part):
                 try:
                     images.append(load_image(image_source(part, where, base_dir), vision, max_pixels=max_pixels,
                                              max_patches=max_patches, name=where))

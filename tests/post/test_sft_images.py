@@ -67,6 +67,31 @@ def jsonl(tmp_path):
     return path
 
 
+def test_a_conversations_images_are_decoded_once_whatever_its_turns(tok, model, monkeypatch):
+    """Every assistant turn renders the prompt before it, images included: they come from the read, not a decode."""
+    import k3.post.sft_images as si
+    import k3.vision.chat as vc
+
+    calls = []
+
+    def counting(load):
+        def f(*a, **k):
+            calls.append(k.get("name"))
+            return load(*a, **k)
+        return f
+
+    monkeypatch.setattr(si, "load_image", counting(si.load_image))
+    monkeypatch.setattr(vc, "load_image", counting(vc.load_image))
+    msgs = [{"role": "user", "content": [image(30, 60), {"type": "text", "text": "Colour?"}]},
+            {"role": "assistant", "content": "red"},
+            {"role": "user", "content": [image(40, 30, "blue"), {"type": "text", "text": "And this?"}]},
+            {"role": "assistant", "content": "blue"},
+            {"role": "user", "content": "Sure?"},
+            {"role": "assistant", "content": "yes"}]
+    [doc] = encode_conversation(ChatFormat(tok), msgs, "high", ImagePrompt(TINY, model.media_placeholder_token_id))
+    assert len(doc.images) == 2 and len(calls) == 2
+
+
 def test_prompts_are_what_serve_builds_and_labels_only_the_assistant(tok, model, tmp_path):
     (tmp_path / "cat.png").write_bytes(png(40, 30, (0, 255, 0)))
     (tmp_path / "chat.jsonl").write_text(json.dumps({"effort": "high", "messages": [

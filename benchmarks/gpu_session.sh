@@ -3,9 +3,11 @@
 # cannot eat the others. Results land in $OUT, packed at the end into $OUT/gpu_session.tgz (JSON + logs) and
 # $OUT/autotune.tgz (fla's Triton autotuning results: extract into .tcache/ and carry it next time to skip it).
 #   usage (device tool, carrying .whl with fla-core, and .tcache if you have one): bash benchmarks/gpu_session.sh [steps...]
-#   one GPU:  tests serve train trainc profile memory cp kda packed quant post   (default: tests serve train cp)
+#   one GPU:  tests serve decode train trainc profile memory cp kda packed quant post   (default: tests serve train cp)
 #   2+ GPUs:  nccl flacp kcp scale             (the distributed suite over NCCL, fla CP vs KCP, multi-GPU throughput)
 #   T_TESTS=300 etc. (T_<STEP>, upper case) override a step's limit in seconds.
+#   TESTS replaces the tests step's test files (pytest arguments).
+#   TRAIN_ARGS replaces trainc's extra bench_train arguments (default: --memory-policy efficient).
 set -u
 OUT=${OUT:-/tmp/k3-gpu}
 mkdir -p "$OUT/logs"
@@ -31,14 +33,16 @@ TR="python3 -m torch.distributed.run --nproc_per_node"
 steps=${*:-tests serve train cp}
 for s in $steps; do
   case $s in
-    tests)  timeout ${T_TESTS:-420} python3 -m pytest -q -p no:cacheprovider -W ignore tests/gpu/test_fla.py tests/gpu/test_train_gpu.py tests/gpu/test_vision_gpu.py 2>&1 | tee "$L/gpu_tests.log" ;;
+    tests)  timeout ${T_TESTS:-420} python3 -m pytest -q -p no:cacheprovider -W ignore ${TESTS:-tests/gpu/test_fla.py tests/gpu/test_train_gpu.py tests/gpu/test_vision_gpu.py} 2>&1 | tee "$L/gpu_tests.log" ;;
     # the engine: decode kernels compiled, graph runner == eager runner == full forward, then the decode benchmark
     serve)  timeout ${T_SERVE_TESTS:-300} python3 -m pytest -q -s -p no:cacheprovider -W ignore tests/ops/test_decode_kernels.py tests/gpu/test_engine_parts_gpu.py tests/gpu/test_engine_gpu.py 2>&1 | tee "$L/serve_tests.log"
             timeout ${T_SERVE:-420} python3 benchmarks/bench_decode.py --profile ${DECODE_ARGS:-} --json "$L/bench_decode.json" 2>&1 | tee "$L/bench_decode.log" ;;
+    # the decode benchmark alone (DECODE_ARGS as above)
+    decode) timeout ${T_DECODE:-420} python3 benchmarks/bench_decode.py --profile ${DECODE_ARGS:-} --json "$L/bench_decode.json" 2>&1 | tee "$L/bench_decode.log" ;;
     # k3 small and medium on uniform and corpus documents, and the dense same-width peers, 8 x 4096 tokens
     train)  timeout ${T_TRAIN:-590} python3 benchmarks/bench_train.py --json "$L/bench_train.json" 2>&1 | tee "$L/bench_train.log" ;;
     # the same with regional torch.compile (the peer whole-model) and the efficient memory policy
-    trainc) timeout ${T_TRAINC:-590} python3 benchmarks/bench_train.py --compile --memory-policy efficient --json "$L/bench_train_compile.json" 2>&1 | tee "$L/bench_train_compile.log" ;;
+    trainc) timeout ${T_TRAINC:-590} python3 benchmarks/bench_train.py --compile ${TRAIN_ARGS:---memory-policy efficient} --json "$L/bench_train_compile.json" 2>&1 | tee "$L/bench_train_compile.log" ;;
     # one profiled step per row: top kernels and the device's idle gaps, into logs/profile/
     profile) timeout ${T_PROFILE:-590} python3 benchmarks/bench_train.py --steps 3 --profile "$L/profile" --json "$L/bench_train_profile.json" 2>&1 | tee "$L/bench_train_profile.log" ;;
     # peak memory per activation policy, medium at 8 x 4096 tokens
@@ -47,7 +51,7 @@ for s in $steps; do
     # packed documents: MLA's length groups and the unpadded short conv against padded rows, on the GPU
     packed) timeout ${T_PACKED:-300} python3 benchmarks/bench_packed.py --ops mla,conv --batches 3 --json "$L/bench_packed.json" 2>&1 | tee "$L/bench_packed.log" ;;
     # MXFP4 experts: the packed-path GPU tests, then the packed grouped matmul and decode against bf16
-    quant)  timeout ${T_QUANT:-480} bash -c "python3 -m pytest -q -p no:cacheprovider -W ignore tests/gpu/test_quant.py tests/ops/test_mx.py && python3 benchmarks/bench_quant.py --sections gpu,memory --json $L/bench_quant.json" 2>&1 | tee "$L/bench_quant.log" ;;
+    quant)  timeout ${T_QUANT:-480} bash -c "python3 -m pytest -q -p no:cacheprovider -W ignore tests/gpu/test_quant.py tests/ops/test_mx.py; python3 benchmarks/bench_quant.py --sections gpu,memory --json $L/bench_quant.json" 2>&1 | tee "$L/bench_quant.log" ;;
     # post-training on small: SFT -> RL per effort -> MOPD -> partial rollout timing (issue 17's GPU run)
     post)   timeout ${T_POST:-590} python3 benchmarks/post_demo.py --preset small --device cuda --sft-steps 3000 --rl-steps 200 --max-tokens 1024 --tasks arithmetic,sorting --out /tmp/k3-post 2>&1 | tee "$L/post_demo.log" ;;
     kda)    timeout ${T_KDA:-420} python3 benchmarks/bench_kda.py --json "$L/bench_kda.json" 2>&1 | tee "$L/bench_kda.log" ;;
@@ -57,7 +61,7 @@ for s in $steps; do
     flacp)  timeout ${T_FLACP:-420} python3 -m pytest -q -s -p no:cacheprovider -W ignore tests/gpu/test_fla_cp.py 2>&1 | tee "$L/fla_cp_test.log" ;;
     kcp)    for r in 1 $NGPU; do timeout ${T_KCP:-300} $TR $r benchmarks/bench_kcp.py --json "$L/bench_kcp_r$r.json" 2>&1 | tee "$L/bench_kcp_r$r.log"; done ;;
     scale)  timeout ${T_SCALE:-540} python3 benchmarks/bench_scale.py --gpus $NGPU --json "$L/bench_scale.json" 2>&1 | tee "$L/bench_scale.log" ;;
-    *) echo "unknown step $s (tests serve train trainc profile memory cp kda packed quant post nccl flacp kcp scale)"; exit 2 ;;
+    *) echo "unknown step $s (tests serve decode train trainc profile memory cp kda packed quant post nccl flacp kcp scale)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/gpu_session.tgz" -C "$OUT" logs && rm -rf "$L"

@@ -130,9 +130,9 @@ class PrefillMixer:
         h0, c0 = state[idx], conv[idx]  # [N,H,K,K] fp32, [N,3,HK,W-1]
         cu = self.cu_seqlens
         q, k, v, f, b, gate = attn.projections(x)
-        q, cq = attn.q_conv1d(q, c0[:, 0], cu, True)
-        k, ck = attn.k_conv1d(k, c0[:, 1], cu, True)
-        v, cv = attn.v_conv1d(v, c0[:, 2], cu, True)
+        q, cq = attn.q_conv1d(q, c0[:, 0], cu, True, attn.backend)
+        k, ck = attn.k_conv1d(k, c0[:, 1], cu, True, attn.backend)
+        v, cv = attn.v_conv1d(v, c0[:, 2], cu, True, attn.backend)
         q, k, v, g, beta = attn.activations(q, k, v, f, b)
         o, hT = kda_ops.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
                                   lower_bound=attn.kernel_lower_bound, backend=attn.backend)

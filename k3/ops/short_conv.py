@@ -2,16 +2,25 @@
 
 Legend: B batch, T time, D channels, W kernel width, N sequences. weight [D, 1, W] (nn.Conv1d layout);
 state [N, D, W-1] holds the last W-1 inputs of each sequence, oldest first.
+
+Two implementations of one function: the pure-torch reference below (CPU, and CUDA with ``backend="torch"``), and
+fla-core's Triton ``causal_conv1d`` (forward and backward in one kernel each, SiLU fused, packed documents without
+padding) on CUDA. ``backend`` follows the KDA layer's (``k3.ops.kda.resolve_backend``: "auto" is fla-core on CUDA
+when it imports). fla keeps a state of W entries per channel, the oldest unused: ours is its last W-1.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-from .varlen import cached_plan, document_offsets
+from .varlen import _to_device, cached_plan, document_offsets
 
 __all__ = ["short_conv"]
+
+FLA_CHUNK = 64  # fla's causal_conv1d time tile: its (document, tile) list is planned per cu_seqlens
 
 
 def short_conv(
@@ -21,14 +30,20 @@ def short_conv(
     cu_seqlens: torch.Tensor | None = None,
     output_final_state: bool = False,
     activation: bool = True,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """y_t = act(sum_i w_i x_{t-W+1+i}); never looks across a document boundary of ``cu_seqlens``.
 
-    x [B,T,D] (B = 1 when packed). Returns (y [B,T,D], final state [N,D,W-1] or None).
+    x [B,T,D] (B = 1 when packed). Returns (y [B,T,D], final state [N,D,W-1] or None). ``backend``: "auto",
+    "torch" (the reference) or "fla", as KDA's.
     """
+    from .kda import resolve_backend
+
     D, W = weight.shape[0], weight.shape[-1]
     if x.shape[-1] != D:
         raise ValueError(f"short_conv: x has {x.shape[-1]} channels, weight has {D}")
+    if resolve_backend(backend, x) == "fla" and x.shape[1] > 0:
+        return _fla(x, weight, state, cu_seqlens, output_final_state, activation)
     if cu_seqlens is not None:
         return _packed(x, weight, state, cu_seqlens, output_final_state, activation)
     N, T, _ = x.shape
@@ -90,6 +105,49 @@ def _packed(x, weight, state, cu_seqlens, output_final_state, activation):
                 -1, -1, D)) * (1 - inside)
         final = final.transpose(1, 2).to(x.dtype)
     return y.to(x.dtype)[None], final
+
+
+@functools.lru_cache(maxsize=1)
+def _fla_conv():
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+    except Exception:  # noqa: BLE001 - any import failure (no triton, no GPU driver) means "not available"
+        return None
+    return causal_conv1d
+
+
+def _fla(x, weight, state, cu_seqlens, output_final_state, activation):
+    """fla-core's kernel. Its state has W entries per channel and reads only the last W-1 (ours): a zero column in
+    front, dropped from its final state. Its (document, tile) list comes from ``cached_plan``: one pinned copy per
+    cu_seqlens tensor, no read-back of the device's cu_seqlens in any layer's forward or backward."""
+    from .kda.fla import _require
+
+    _require(x)  # CUDA tensor of a dtype fla computes in, fla importable: else a clear error
+    conv = _fla_conv()
+    if conv is None:
+        raise RuntimeError("backend='fla' needs fla-core's causal_conv1d (fla.modules.causal_conv1d)")
+    D, W = weight.shape[0], weight.shape[-1]
+    B, T, _ = x.shape
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if state is not None and state.shape != (N, D, W - 1):
+        raise ValueError(f"short_conv state must be [N,D,W-1] = [{N},{D},{W - 1}]; got {tuple(state.shape)}")
+    if cu_seqlens is not None and B != 1:
+        raise ValueError(f"packed documents (cu_seqlens) come in batch 1; got batch {B}")
+    kw = {}
+    if cu_seqlens is not None:
+        kw["chunk_indices"] = cached_plan(cu_seqlens, ("fla_conv_tiles", x.device),
+                                          lambda cu: _fla_tiles(cu, T, x.device))
+    h0 = F.pad(state, (1, 0)).to(x.dtype) if state is not None else None
+    y, final = conv(x, weight.view(D, W), initial_state=h0, output_final_state=output_final_state,
+                    activation="silu" if activation else None, cu_seqlens=cu_seqlens, **kw)
+    return y, (final[..., 1:].to(x.dtype) if final is not None else None)
+
+
+def _fla_tiles(cu, T, device):
+    """[tiles, 2] (document, tile within it) for fla's varlen kernels, from host cu_seqlens."""
+    _offsets(cu, T, device)  # the same validation as the reference's
+    pairs = [(n, i) for n, (a, b) in enumerate(zip(cu, cu[1:])) for i in range(-(-(b - a) // FLA_CHUNK))]
+    return _to_device([torch.tensor(pairs, dtype=torch.long).view(-1, 2)], device)[0]
 
 
 def _offsets(cu, T, device):

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from k3 import K3Config, K3ForCausalLM
 from k3.ops.kda import chunk_kda, recurrent_kda
+from k3.ops.short_conv import short_conv
 from tests.conftest import assert_close
 
 pytestmark = pytest.mark.gpu
@@ -46,6 +47,35 @@ def test_fla_chunk_matches_reference_outputs_and_grads(B, T, H, K, packed):
             x.grad = None
     for name, a, b in zip(["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"], res["torch"], res["fla"]):
         assert_close(name, a, b, 0.02)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
+@pytest.mark.parametrize("with_state", [False, True], ids=["no-state", "state"])
+def test_fla_short_conv_matches_reference_outputs_states_and_grads(packed, with_state):
+    """fla-core's causal_conv1d behind short_conv == the reference: y, the final state, and the gradients of x
+    (a strided view, as the fused projection's split gives), the fp32 weight and the initial state; documents
+    shorter than the kernel width included."""
+    torch.manual_seed(0)
+    D, W = 2048, 4
+    B, T = (1, 1000) if packed else (3, 300)
+    cu = torch.tensor([0, 2, 357, 360, 900, 1000], device="cuda", dtype=torch.int32) if packed else None
+    N = 5 if packed else B
+    base = torch.randn(B, T, 3 * D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(D, 1, W, device="cuda") / 2).requires_grad_()
+    h0 = torch.randn(N, D, W - 1, device="cuda", dtype=torch.bfloat16, requires_grad=True) if with_state else None
+    dy = torch.randn(B, T, D, device="cuda", dtype=torch.bfloat16)
+    dhT = torch.randn(N, D, W - 1, device="cuda", dtype=torch.bfloat16)
+    res = {}
+    for backend in ("torch", "fla"):
+        x = base[..., D:2 * D]  # stride 3D along time
+        y, hT = short_conv(x, w, h0, cu, output_final_state=True, backend=backend)
+        ((y.float() * dy.float()).sum() + (hT.float() * dhT.float()).sum()).backward()
+        res[backend] = [y, hT, base.grad.clone(), w.grad.clone()] + ([h0.grad.clone()] if with_state else [])
+        for t in (base, w, h0):
+            if t is not None:
+                t.grad = None
+    for name, a, b in zip(["y", "hT", "dx", "dw", "dh0"], res["torch"], res["fla"]):
+        assert_close(name, a, b, 0.01)
 
 
 def test_fla_recurrent_matches_reference():

@@ -98,3 +98,26 @@ def test_logprobs_are_of_raw_logits(logits):
 def test_shape_errors_speak():
     with pytest.raises(ValueError, match=r"\[B, V\]"):
         _sample(torch.randn(5)[None, None])
+
+
+@pytest.mark.parametrize("V", [5000, 5003, 163840], ids=["V5000", "V5003-padded", "V163840"])
+def test_the_two_stage_reductions_equal_the_one_stage_ones(V):
+    """Large vocabularies reduce over slices, then over the slices: the tokens, the chosen and top log-probs and
+    their ids equal the one-stage computation (argmax's first maximal index on ties across slices too)."""
+    from k3.inference.sampler import SLICE, hash_uniform
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, V, generator=g) * 3
+    logits[0, [7, V - 2]] = 50.0  # a tie across slices: the first index wins
+    logits[1, [SLICE - 1, SLICE]] = 40.0  # a tie across a slice boundary
+    temp = torch.tensor([0.0, 0.0, 0.7, 1.3])
+    seed, step = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 5, 9, 2])
+    tokens, lps, top_lp, top_id = _sample(logits, temperature=temp, seed=seed, step=step, filtered=False)
+    ref = torch.log_softmax(logits, -1)
+    race = logits / temp.clamp(min=1e-5)[:, None] - torch.log(-torch.log(hash_uniform(seed, step, V)))
+    want = torch.where(temp == 0, logits.argmax(-1), race.argmax(-1))
+    assert tokens.tolist() == want.tolist() and tokens[0] == 7 and tokens[1] == SLICE - 1
+    torch.testing.assert_close(lps, ref.gather(-1, want[:, None]).squeeze(-1))
+    vals, ids = ref.topk(5, dim=-1)
+    torch.testing.assert_close(top_lp, vals)
+    assert torch.equal(ref.gather(-1, top_id), ref.gather(-1, ids))  # the same values (ids may order ties apart)

@@ -76,8 +76,8 @@ def test_values_beyond_the_max_saturate(fmt, over):
     x = torch.tensor(over)
     assert torch.equal(decode_element(encode_element(x, fmt), fmt), torch.full_like(x, fmt.max))
     assert torch.equal(decode_element(encode_element(-x, fmt), fmt), torch.full_like(x, -fmt.max))
-    if fmt is E4M3:
-        assert torch.equal(encode_element(x, fmt), x.to(torch.float8_e4m3fn).view(torch.uint8))
+    if fmt is E4M3:  # the code of 448 (torch's own cast of out-of-range values saturates in 2.13, gives NaN in 2.11)
+        assert torch.equal(encode_element(x, fmt), x.clamp(max=fmt.max).to(torch.float8_e4m3fn).view(torch.uint8))
 
 
 def test_e4m3_subnormals_and_underflow():
@@ -165,7 +165,8 @@ def test_mxfp8_equals_the_scale_rule_then_torchs_e4m3_cast():
     want_scale = torch.tensor([[_ocp_scale_code(b.tolist(), 8) for b in row] for row in xb])
     assert torch.equal(scale.long(), want_scale)
     X = torch.exp2(want_scale.double() - 127).float()[..., None]
-    want = (xb / X).to(torch.float8_e4m3fn).view(torch.uint8).reshape(64, -1)
+    # saturating, as the OCP MX conversion we implement (torch's cast of values past 448 is NaN in torch 2.11)
+    want = (xb / X).clamp(-E4M3.max, E4M3.max).to(torch.float8_e4m3fn).view(torch.uint8).reshape(64, -1)
     assert torch.equal(codes, want)
     assert torch.equal(dequantize_mxfp8(codes, scale, torch.float32), mx_round(x, E4M3))
 

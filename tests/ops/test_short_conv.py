@@ -105,3 +105,13 @@ def test_packed_edge_cases_int32_boundaries_and_no_tokens():
     empty = torch.tensor([0, 0, 0])
     y, s = short_conv(torch.randn(1, 0, 4), w, state=state, cu_seqlens=empty, output_final_state=True)
     assert y.shape == (1, 0, 4) and torch.equal(s, state)
+
+
+def test_the_fla_backend_refuses_cpu_tensors_and_unknown_backends_by_name():
+    x, w = torch.randn(1, 8, 16), torch.randn(16, 1, 4)
+    with pytest.raises(RuntimeError, match="CUDA tensors"):
+        short_conv(x, w, backend="fla")
+    with pytest.raises(ValueError, match="unknown KDA backend 'cuda'"):
+        short_conv(x, w, backend="cuda")
+    y, _ = short_conv(x, w, backend="torch")
+    assert torch.equal(y, short_conv(x, w)[0])  # "auto" on CPU is the reference

@@ -39,8 +39,8 @@ class ShortConvolution(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, width))
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Conv1d's default
 
-    def forward(self, x, state=None, cu_seqlens=None, output_final_state=False):
-        return short_conv(x, self.weight, state, cu_seqlens, output_final_state)
+    def forward(self, x, state=None, cu_seqlens=None, output_final_state=False, backend="auto"):
+        return short_conv(x, self.weight, state, cu_seqlens, output_final_state, backend=backend)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -128,9 +128,9 @@ class KimiDeltaAttention(nn.Module):
         T = x.shape[1]
         want = output_state or state is not None
         q, k, v, f, b, gate = self.projections(x)
-        q, cq = self.q_conv1d(q, state and state.conv_q, cu_seqlens, want)
-        k, ck = self.k_conv1d(k, state and state.conv_k, cu_seqlens, want)
-        v, cv = self.v_conv1d(v, state and state.conv_v, cu_seqlens, want)
+        q, cq = self.q_conv1d(q, state and state.conv_q, cu_seqlens, want, self.backend)
+        k, ck = self.k_conv1d(k, state and state.conv_k, cu_seqlens, want, self.backend)
+        v, cv = self.v_conv1d(v, state and state.conv_v, cu_seqlens, want, self.backend)
         q, k, v, g, beta = self.activations(q, k, v, f, b)
         h0 = state.recurrent if state is not None else None
         if T == 1 and cu_seqlens is None:  # one token: the recurrence itself on a fixed-size state

@@ -30,6 +30,9 @@ from .scheduler import Scheduler, SchedulerConfig, Sequence
 __all__ = ["Engine", "EngineConfig", "EngineFailed", "RequestHandle"]
 
 
+DECODE_PROMPT_TOKENS = 16  # under CUDA graphs a decode step is ~1 ms, an eager prefill forward ~40-80 ms of host work
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     num_pages: int = 512  # device pages, each page_tokens tokens of MLA latents (KDA states take whole pages)
@@ -49,12 +52,17 @@ class EngineConfig:
     compile: bool | None = None  # torch.compile the decode forward; default: with CUDA graphs
     fuse_projections: bool = True  # one matmul per layer input (K3ForCausalLM.fuse_projections)
     async_scheduling: bool | None = None  # plan step n+1 while the device runs step n; default: on for CUDA
+    # a prompt remainder of at most this many tokens (a short prompt, the tokens after a prefix hit) is fed one token
+    # per step through the decode path instead of an eager prefill forward; default: 16 with CUDA graphs, else 0
+    decode_prompt_tokens: int | None = None
 
     def __post_init__(self):
         for name in ("num_pages", "page_tokens", "hash_block", "checkpoint_every", "prefill_chunk", "step_tokens",
                      "max_batch", "long_prompt"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.decode_prompt_tokens is not None and self.decode_prompt_tokens < 0:
+            raise ValueError(f"EngineConfig.decode_prompt_tokens must be >= 0, got {self.decode_prompt_tokens}")
         if self.host_pages < 0:
             raise ValueError(f"EngineConfig.host_pages must be >= 0, got {self.host_pages}")
         if not 0 < self.long_share <= 1:
@@ -88,11 +96,13 @@ class Engine:
         self.prefix = (PrefixCache(self.pool, config.hash_block, config.checkpoint_every, host)
                        if config.prefix_cache else None)
         self.max_context = self._context_limit(mc)
-        self.scheduler = Scheduler(self.pool, self.prefix, SchedulerConfig(
-            config.step_tokens, config.prefill_chunk, config.max_batch, config.long_prompt, config.long_share),
-            config.hash_block)
         self.runner = ModelRunner(self.model, self.pool, self.max_context, config.max_batch, config.cuda_graphs,
                                   config.compile)
+        feed = config.decode_prompt_tokens
+        feed = (DECODE_PROMPT_TOKENS if self.runner.use_graphs else 0) if feed is None else feed
+        self.scheduler = Scheduler(self.pool, self.prefix, SchedulerConfig(
+            config.step_tokens, config.prefill_chunk, config.max_batch, config.long_prompt, config.long_share,
+            decode_prompt_tokens=feed), config.hash_block)
         self.output = OutputProcessor(tokenizer, eos_id(tokenizer), self.max_context)
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)

@@ -28,7 +28,7 @@ from ..ops.moe_decode import DECODE_ROWS
 from .mixers import DecodeMixer, PrefillMixer, register_pool, release_pool
 from .pool import PagePool
 from .sampler import TOP_LOGPROBS, sample
-from .scheduler import FROM_DEVICE, DecodeItem, PrefillItem, Sampled, SchedulerOutput
+from .scheduler import FROM_DEVICE, DecodeItem, PrefillItem, Sampled, SamplingRow, SchedulerOutput
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 N_INT = 6  # int64 inputs of a decode row before its KDA pages: token, position, top_k, seed, step, source row
@@ -59,9 +59,18 @@ def _unpack(packed: torch.Tensor, ids: list[str], wants: list[int]) -> dict[str,
     rows = packed.tolist()
     out = {}
     for sid, row, want in zip(ids, rows, wants):
+        if sid is None:  # a row that fed a prompt token: nothing drawn
+            continue
         top = tuple((int(row[2 + K + j]), float(row[2 + j])) for j in range(min(want, K)))
         out[sid] = Sampled(int(row[0]), float(row[1]), top)
     return out
+
+
+FEED_ONLY = SamplingRow(0.0, 0, 1.0, 0, 0)  # the sampling row of a decode row that only feeds a prompt token
+
+
+def _row(it) -> SamplingRow:
+    return it.sample if it.sample is not None else FEED_ONLY
 
 
 class ModelRunner:
@@ -138,8 +147,9 @@ class ModelRunner:
         packed = parts[0] if len(parts) == 1 else torch.cat(parts)  # [n, 2 + 2K] fp32
         n = len(rows)
         self._prev_tokens[:n].copy_(packed[:, 0])  # after this step's forwards: they read the previous step's
-        self._prev_row = {it.seq_id: i for i, it in enumerate(rows)}
-        ids, wants = [it.seq_id for it in rows], [it.sample.logprobs for it in rows]
+        self._prev_row = {it.seq_id: i for i, it in enumerate(rows) if it.sample is not None}
+        ids = [it.seq_id if it.sample is not None else None for it in rows]
+        wants = [it.sample.logprobs if it.sample is not None else 0 for it in rows]
         if self.device.type != "cuda":
             return StepResult(packed, None, ids, wants)
         self._flip ^= 1  # two pinned buffers: this step's copy never overwrites the one the host may be reading
@@ -217,9 +227,10 @@ class ModelRunner:
         pages), floats [B, 2] fp32 (temperature, top_p), page table [B, cols] int32 padded with the
         scratch page (cols: the most MLA pages of any row; [B, 1] without MLA layers)."""
         src = [self._prev_row[it.seq_id] if it.token == FROM_DEVICE else -1 for it in items]
-        ints = torch.tensor([[it.token, it.position, it.sample.top_k, it.sample.seed, it.sample.step, r, *it.kda_pages]
-                             for it, r in zip(items, src)], dtype=torch.long)
-        floats = torch.tensor([[it.sample.temperature, it.sample.top_p] for it in items], dtype=torch.float32)
+        rows = [_row(it) for it in items]
+        ints = torch.tensor([[it.token, it.position, r.top_k, r.seed, r.step, s, *it.kda_pages]
+                             for it, r, s in zip(items, rows, src)], dtype=torch.long)
+        floats = torch.tensor([[r.temperature, r.top_p] for r in rows], dtype=torch.float32)
         s = self.pool.scratch
         cols = max(max(len(it.mla_pages) for it in items), 1) if self.mla_slot else 1
         table = torch.tensor([it.mla_pages + [s] * (cols - len(it.mla_pages)) for it in items] if self.mla_slot
@@ -238,7 +249,7 @@ class ModelRunner:
     # ---- sampling ---------------------------------------------------------------------------------------------
     def _sampling_tensors(self, items):
         dev = self.device
-        rows = [it.sample for it in items]
+        rows = [_row(it) for it in items]
         f = torch.tensor([[r.temperature, r.top_p] for r in rows], dtype=torch.float32, device=dev)
         i = torch.tensor([[r.top_k, r.seed, r.step] for r in rows], dtype=torch.long, device=dev)
         return f[:, 0], i[:, 0], f[:, 1], i[:, 1], i[:, 2]
@@ -246,7 +257,7 @@ class ModelRunner:
     def _sample_packed(self, logits, items) -> torch.Tensor:
         """Eager sampling (varying shapes) of ``items``' rows of ``logits`` -> packed results [n, 2 + 2K] fp32."""
         temp, top_k, top_p, seed, step = self._sampling_tensors(items)
-        filtered = any(it.sample.top_k > 0 or it.sample.top_p < 1.0 for it in items)
+        filtered = any(_row(it).top_k > 0 or _row(it).top_p < 1.0 for it in items)
         return _pack(*sample(logits, temp, top_k, top_p, seed, step, filtered))
 
     # ---- CUDA graphs ------------------------------------------------------------------------------------------
@@ -329,7 +340,7 @@ class ModelRunner:
         """Replay the sampler's graph over the logits buffer -> the packed results [B, 2 + 2K] (a static buffer)."""
         B = len(items)
         bs = self._bucket(B)
-        filtered = any(it.sample.top_k > 0 or it.sample.top_p < 1.0 for it in items)
+        filtered = any(_row(it).top_k > 0 or _row(it).top_p < 1.0 for it in items)
         key = (bs, filtered)
         if key not in self._sample_graphs:
             self._sample_graphs[key] = self._capture(self._graph_sample, bs, filtered)

@@ -55,7 +55,7 @@ class DecodeItem:
     position: int
     mla_pages: list[int]
     kda_pages: list[int]
-    sample: SamplingRow
+    sample: SamplingRow | None  # None: a prompt token fed through the decode path, nothing drawn after it
 
 
 FROM_DEVICE = -1
@@ -86,6 +86,7 @@ class SchedulerConfig:
     long_prompt: int = 32768
     long_share: float = 0.5
     snapshot_prompt_end: bool = True  # a KDA checkpoint at the last full hash block of every prompt
+    decode_prompt_tokens: int = 0  # a prompt remainder this short is fed through the decode path, a token per step
 
 
 class Sequence:
@@ -176,6 +177,13 @@ class Scheduler:
                           seq.sampling())
 
     def _chunk(self, seq: Sequence, out: SchedulerOutput, budget: int, long_budget: int) -> tuple[int, int]:
+        if self._feeds_by_decode(seq):  # e.g. the few tokens after a prefix hit: one decode row, not a prefill
+            if budget <= 0 or (seq.long and long_budget <= 0) or not self._grow(seq, 1, out):
+                return budget, long_budget
+            last = seq.num_computed + 1 == len(seq.tokens)
+            out.decode.append(DecodeItem(seq.id, seq.tokens[seq.num_computed], seq.num_computed, list(seq.mla_pages),
+                                         list(seq.kda_pages), seq.sampling() if last else None))
+            return budget - 1, long_budget - 1 if seq.long else long_budget
         # known tokens only: a preempted sequence's in-flight token joins it at the next step
         n = min(len(seq.tokens) - seq.num_computed, self.cfg.prefill_chunk, budget, long_budget if seq.long else budget)
         n = min(n, self._next_snapshot(seq) - seq.num_computed)
@@ -187,6 +195,13 @@ class Scheduler:
         out.prefill.append(PrefillItem(seq.id, seq.tokens[lo:hi], lo, list(seq.mla_pages), list(seq.kda_pages),
                                        seq.sampling() if done else None, images))
         return budget - n, long_budget - n if seq.long else long_budget
+
+    def _feeds_by_decode(self, seq: Sequence) -> bool:
+        """The rest of the prompt goes through the decode path (CUDA graphs: a few replays cost less than one eager
+        prefill forward): at most ``decode_prompt_tokens`` known tokens, nothing in flight, no image among them."""
+        rest = len(seq.tokens) - seq.num_computed
+        return (0 < rest <= self.cfg.decode_prompt_tokens and not seq.in_flight
+                and not any(im.start + im.length > seq.num_computed for im in seq.images))
 
     def _next_snapshot(self, seq: Sequence) -> int:
         """The next token count after num_computed at which the prefix cache wants this sequence's KDA state."""

@@ -104,6 +104,46 @@ def test_prefix_hit_same_tokens_and_reports_cached(tok):
     assert fin.cached_tokens == 24 and fin.text == tok.decode(reference_greedy(model, other, 6, 0))
 
 
+def test_prompt_tokens_fed_through_the_decode_path_give_the_same_outputs(tok):
+    """``decode_prompt_tokens``: a short prompt, a long prompt's last tokens after its chunks, and the tokens after
+    a prefix hit go through the decode path a token per step (under CUDA graphs a replay costs less than an eager
+    prefill): the same greedy tokens as prefilling them and as full recomputation, the same log-probabilities of
+    the first token to float rounding, the same prefix hits, every page released."""
+    from dataclasses import replace
+
+    model = make_model(tok)
+    ps = prompts(4, [3, 23, 45, 1], seed=6)
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=2)
+    outs = {}
+    for feed in (0, 5):
+        eng = Engine(model, tok, replace(SMALL, decode_prompt_tokens=feed))
+        fed, schedule = [], eng.scheduler.schedule
+
+        def counting():
+            plan = schedule()
+            fed.extend(it.seq_id for it in plan.decode if it.sample is None)
+            return plan
+
+        eng.scheduler.schedule = counting
+        first = run(eng, ps, params)
+        again = eng.generate([ps[2]], params)[0]  # hits at 40: the 5 tokens after it are fed by decode when feed=5
+        again_id = "req-4"
+        outs[feed] = (first, again)
+        # fed without a draw (the last known token's row draws): 2 of the 3-token prompt; the 45-token one's 4 after
+        # its chunks up to its checkpoint at 40; the hit's 4 after 40; none of the 23-token one (its last chunk, 16
+        # to 23, is 7 tokens) or of the 1-token one
+        assert fed == ([] if feed == 0 else ["req-0"] * 2 + ["req-2"] * 4 + [again_id] * 4)
+        assert again.cached_tokens == 40 and eng.pool.pages_in_use == 0
+    for p, a, b in zip(ps, outs[0][0], outs[5][0]):
+        assert [e.token_id for e in a[:-1]] == [e.token_id for e in b[:-1]] and a[-1].text == b[-1].text
+        assert [e.token_id for e in b[:-1] if e.token_id != 0] == reference_greedy(model, p, 6, 0)
+        torch.testing.assert_close(a[0].logprob, b[0].logprob, rtol=1e-4, atol=1e-5)
+        assert [t for t, _ in a[0].top_logprobs] == [t for t, _ in b[0].top_logprobs]
+    assert outs[0][1].text == outs[5][1].text
+    with pytest.raises(ValueError, match="decode_prompt_tokens must be >= 0"):
+        EngineConfig(decode_prompt_tokens=-1)
+
+
 def test_a_repeated_prompt_hits_at_its_last_full_block_with_sparse_checkpoints(tok):
     """Checkpoints every 4 blocks (32 tokens) AND at each prompt's last full block: a repeat of a 45-token
     prompt hits at 40, not 32; a prompt sharing only 27 tokens falls back to the sparse checkpoints."""

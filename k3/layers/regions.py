@@ -7,7 +7,8 @@ region's inputs in the backward, or offloaded), so how memory is saved never liv
 ``k3.train.compile`` may install a compiler that replaces ``fn`` by its compiled form (``k3 train --compile``).
 
 Regions: "attn_res" (an AttnRes mix over the depth sources, k3.layers.depth), "moe_experts" (a LatentMoE's routed
-dispatch, expert matmuls and combine, k3.layers.width.latent_moe).
+dispatch, expert matmuls and combine, k3.layers.width.latent_moe), "kda_activations" (KDA's L2 norms of q and k,
+its forget gate and beta, between the short convs and the recurrence, k3.layers.sequence.kda).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 __all__ = ["REGIONS", "region", "region_handler", "set_region_compiler"]
 
-REGIONS = ("attn_res", "moe_experts")
+REGIONS = ("attn_res", "moe_experts", "kda_activations")
 
 _handler = None  # (name, fn, *args) -> fn's result, or None: a plain call
 _compiler = None  # (name, fn) -> the function to run instead of fn, or None

@@ -19,6 +19,7 @@ from ...ops import kda as kda_ops
 from ...ops.norms import gated_rms_norm, l2_norm
 from ...ops.short_conv import short_conv
 from ..fuse import fuse_linears, use_fused
+from ..regions import region
 
 
 @dataclass
@@ -105,12 +106,9 @@ class KimiDeltaAttention(nn.Module):
 
     def activations(self, q, k, v, f, b):
         """After the convs: per-head L2-normalised q, k and v [B,T,H,K], log-decay g [B,T,H,K] fp32, beta
-        [B,T,H] fp32."""
-        B, T, _ = q.shape
-        H, K = self.num_heads, self.head_dim
-        g = kda_ops.kda_gate(f, self.A_log, self.dt_bias, self.gate_kind, self.lower_bound)
-        return (l2_norm(q.view(B, T, H, K)), l2_norm(k.view(B, T, H, K)), v.view(B, T, H, K), g,
-                torch.sigmoid(b.float()))
+        [B,T,H] fp32. A named region ("kda_activations"): ``k3 train --compile`` fuses its elementwise chains."""
+        return region("kda_activations", _activations, q, k, v, f, b, self.A_log, self.dt_bias, self.num_heads,
+                      self.head_dim, self.gate_kind, self.lower_bound)
 
     @property
     def kernel_lower_bound(self) -> float | None:
@@ -141,6 +139,13 @@ class KimiDeltaAttention(nn.Module):
                                       cu_seqlens=cu_seqlens, lower_bound=self.kernel_lower_bound,
                                       backend=self.backend)
         return self.output(o, gate), (KDAState(hT, cq, ck, cv) if want else None)
+
+
+def _activations(q, k, v, f, b, A_log, dt_bias, H: int, K: int, gate_kind: str, lower_bound: float):
+    B, T, _ = q.shape
+    g = kda_ops.kda_gate(f, A_log, dt_bias, gate_kind, lower_bound)
+    return (l2_norm(q.view(B, T, H, K)), l2_norm(k.view(B, T, H, K)), v.view(B, T, H, K), g,
+            torch.sigmoid(b.float()))
 
 
 class _HeadNorm(nn.Module):

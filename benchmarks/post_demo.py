@@ -127,7 +127,9 @@ def main():
     p.add_argument("--chunk", type=int, default=32, help="partial rollout's chunk in the timing runs")
     p.add_argument("--mopd-efforts", default="max", help="the efforts distilled: the teacher of (task, effort) is "
                    "RL effort's run (rl-max, or rl-low for low and high)")
-    p.add_argument("--timing", default="full,partial", help="the timing runs: full (no partial rollout), partial")
+    p.add_argument("--timing", default="full,partial,partial-keep", help="the timing runs: full (no partial "
+                   "rollout), partial (carried replies re-encoded after each update), partial-keep (continued on "
+                   "their kept cache: --no-reencode)")
     p.add_argument("--stages", default="sft,rl,low,mopd,partial")
     args = p.parse_args()
     stages = set(args.stages.split(","))
@@ -182,8 +184,10 @@ def main():
         done("mopd_s", time.time() - t1)
         done("mopd", evaluate(ckpt, tasks, args))
     if "partial" in stages:  # time per step from SFT at max effort, the same prompts, without and with
-        for name, chunk in [(n, {"full": None, "partial": args.chunk}[n]) for n in args.timing.split(",")]:
-            _, recs = rl(args, tasks, f"timing-{name}", sft_ckpt, ("max",), args.timing_steps, chunk=chunk)
+        runs = {"full": {"chunk": None}, "partial": {"chunk": args.chunk},
+                "partial-keep": {"chunk": args.chunk, "reencode": False}}
+        for name in args.timing.split(","):
+            _, recs = rl(args, tasks, f"timing-{name}", sft_ckpt, ("max",), args.timing_steps, **runs[name])
             done(f"timing_{name}", timing(recs, warm=args.timing_steps // 4))
     if "eval" in stages:  # (re-)evaluate every checkpoint there is
         for key, name in (("sft", "sft"), ("rl_max", "rl-max"), ("rl_low", "rl-low"), ("mopd", "mopd")):

@@ -7,6 +7,7 @@ The optimiser, QAT and memory options are ``k3 train``'s.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 from ..train.loop import TrainConfig
@@ -37,6 +38,9 @@ def add_rl_arguments(p, distill: bool = False) -> None:
     p.add_argument("--max-tokens", type=positive_int, default=128, help="longest reply")
     p.add_argument("--chunk", type=positive_int, default=None, help="partial rollout: most tokens a reply writes "
                    "per round; unfinished replies continue in the next step (default: off)")
+    p.add_argument("--reencode", action=argparse.BooleanOptionalAction, default=True, help="partial rollout: "
+                   "re-encode the carried replies with each step's new weights (default); --no-reencode continues "
+                   "them on the cache their earlier tokens were drawn with (faster, stale)")
     p.add_argument("--eps-low", type=number(0, lo_open=True), default=0.2, help="ratio clip below: 1 - eps")
     p.add_argument("--eps-high", type=number(0, lo_open=True), default=0.28, help="ratio clip above: 1 + eps")
     p.add_argument("--beta", type=number(0), default=0.0, help="KL-to-reference coefficient (0: reference-free)")
@@ -78,8 +82,8 @@ def rl_config(args, distill: bool = False):
         extra = {"taus": parse_taus(args.tau), "tau_from": args.tau_from, "anneal_frac": args.anneal_frac,
                  "budget_prompts": args.budget_prompts}
     return RLConfig(train=train, tasks=args.tasks, efforts=args.efforts, samples=args.samples, prompts=args.prompts,
-                    max_tokens=args.max_tokens, chunk=args.chunk, eps_low=args.eps_low, eps_high=args.eps_high,
-                    beta=args.beta, eval_every=args.eval_every, eval_problems=args.eval_problems,
+                    max_tokens=args.max_tokens, chunk=args.chunk, reencode=args.reencode, eps_low=args.eps_low,
+                    eps_high=args.eps_high, beta=args.beta, eval_every=args.eval_every, eval_problems=args.eval_problems,
                     micro_tokens=args.micro_tokens, **extra)
 
 

@@ -3,7 +3,8 @@
 Each step: ``prompts`` new prompt groups (a training-split problem of a task, an effort, G = ``samples`` replies)
 join the trajectories carried over; every unfinished trajectory is rolled out by the current policy for up to
 ``chunk`` tokens (partial rollout; None = to the end), again until at least one group is complete. One engine
-serves the run (``Rollout.load`` puts each step's weights in it). The complete groups are trained on, the rest
+serves the run (``Rollout.load`` puts each step's weights in it; ``reencode=False`` keeps the carried replies'
+cache across it instead of re-encoding them: faster, stale, and a resumed run re-encodes once). The complete groups are trained on, the rest
 carry over (``Trajectory.versions`` records which policy drew each
 token; the objective's ratio is against the recorded sampling log-prob, so older tokens are corrected).
 
@@ -54,6 +55,7 @@ class RLConfig:
     prompts: int = 8  # new prompt groups per step
     max_tokens: int = 128  # longest reply
     chunk: int | None = None  # partial rollout: most tokens a trajectory writes per round (None: off)
+    reencode: bool = True  # carried replies re-encoded by each new policy; False: continued on their cache
     eps_low: float = 0.2
     eps_high: float = 0.28  # DAPO's clip-higher: room for unlikely tokens to grow
     beta: float = 0.0  # KL-to-reference coefficient (0: reference-free)
@@ -193,7 +195,7 @@ def rl_train(cfg: RLConfig, tasks: dict | None = None, log=print) -> dict:
                                   "trajs": [Trajectory(next_group, ids, _seed(tcfg.seed, next_group, i))
                                             for i in range(cfg.samples)]}
             next_group += 1
-        rollout.load(model, step)
+        rollout.load(model, step, cfg.reencode)
         active = [t for g in groups.values() for t in g["trajs"]]
         drawn = rollout.round(active, cfg.chunk)
         while not any(all(t.done for t in g["trajs"]) for g in groups.values()):

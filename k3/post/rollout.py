@@ -12,9 +12,14 @@ Partial rollout: ``round(trajectories, chunk)`` steps the engine until every unf
 one that has neither stopped nor reached ``max_tokens`` stays unfinished and is continued in a later round. One
 ``Rollout`` (one engine) serves a whole run: a trajectory's request stays live in the engine between rounds (its
 cache kept, nothing re-encoded) as long as the weights do not change; ``load(policy, version)`` copies a new
-policy's weights into the engine's model in place and ends the live requests, so each carried trajectory is
-resubmitted once (its prompt + tokens so far re-encoded by the new policy: the cache a token is sampled from is
-always the policy that drew it, and a run resumed from a checkpoint continues exactly). The continuation uses the
+policy's weights into the engine's model in place and, by default, ends the live requests, so each carried
+trajectory is resubmitted once (its prompt + tokens so far re-encoded by the new policy: the cache a token is
+sampled from is always the policy that drew it, and a run resumed from a checkpoint continues exactly).
+``load(..., reencode=False)`` keeps them live instead: their cache (written by the versions that drew their
+earlier tokens) is kept and their next tokens are drawn by the new weights from it, as the report's rollout
+reuses a carried trajectory's cached prefix (seed 000 §8.5; PipelineRL's in-flight weight updates): no
+re-encoding, at the price of a stale cache. The recorded log-probability is still that of the computation that
+drew the token, so the objective's ratio stays against the true sampling distribution. The continuation uses the
 trajectory's seed with ``SamplingParams.draw_offset`` = tokens already drawn, so with an unchanged policy a
 trajectory continued over several rounds or steps is token for token the one written in one go (stop strings are
 looked for in the whole reply, not only in the last chunk).
@@ -86,13 +91,20 @@ class Rollout:
         self._live: dict[int, tuple[Trajectory, object]] = {}  # id(trajectory) -> (it, its request's handle)
 
     @torch.no_grad()
-    def load(self, policy, version: int) -> None:
+    def load(self, policy, version: int, reencode: bool = True) -> None:
         """``policy``'s weights into the engine's model, in place (its fused projections are views of them), as
-        policy ``version``; live requests end, so their trajectories are re-encoded by this policy next round."""
+        policy ``version``. ``reencode``: live requests end, so their trajectories are re-encoded by this policy
+        next round; False: they stay live on their cache (see the module docstring), after the tokens the engine
+        drew for them past the last round's chunk are taken in under the old version."""
+        if reencode:
+            for _, handle in self._live.values():
+                handle.cancel()
+            self._live.clear()
+        else:
+            for t, _ in list(self._live.values()):
+                before = len(t.tokens)
+                self._settle(t, before, self._drain(t, {id(t): 0}))
         self.engine.model.load_state_dict(policy.state_dict())
-        for _, handle in self._live.values():
-            handle.cancel()
-        self._live.clear()
         self.version = version
 
     def round(self, trajectories: list[Trajectory], chunk: int | None = None) -> int:

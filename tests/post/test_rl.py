@@ -114,3 +114,30 @@ def test_rl_and_distill_cli(tmp_path, sft_ckpt, capsys):
     assert "checkpoint in" in capsys.readouterr().out
     assert main(["distill", "--out", str(tmp_path / "e"), "--teacher", "sorting=x", *common]) == 1
     assert "TASK:EFFORT=CHECKPOINT" in capsys.readouterr().err
+
+
+def test_partial_rollout_without_reencoding_carries_live_requests(tmp_path, stopping_ckpt):
+    """reencode=False: the carried replies stay live in the one engine across the weight updates (no request is
+    resubmitted after the first), still cross step boundaries and are trained on with an older policy's tokens."""
+    from k3.post import rollout as rollout_mod
+
+    submits = []
+    real = rollout_mod.Engine.submit
+
+    def counting(self, req):
+        submits.append(req.prompt_ids)
+        return real(self, req)
+
+    kw = {"tasks": ("arithmetic",), "efforts": ("max",), "samples": 3, "prompts": 3, "max_tokens": 40, "chunk": 3,
+          "train": {"steps": 4}}
+    cfg = config(tmp_path, stopping_ckpt, "k", reencode=False, **kw)
+    rollout_mod.Engine.submit = counting
+    try:
+        rl_train(cfg, log=lambda *x: None)
+    finally:
+        rollout_mod.Engine.submit = real
+    recs = read_metrics(cfg.train.out)
+    assert any(r["carried"] > 0 for r in recs[:-1]) and any(r["staleness"] > 0 for r in recs)
+    # the budget calibration's 2 requests, then one per trajectory (4 steps x 3 prompts x 3 samples), however
+    # many steps it spans: a resubmission would repeat a trajectory's prompt with its tokens so far appended
+    assert len(submits) == 2 + 4 * 3 * 3

@@ -40,11 +40,12 @@ def grads(model, trajs):
     return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("between", ["live", "load", "new"])
+@pytest.mark.parametrize("between", ["live", "load", "keep", "new"])
 def test_partial_rollout_equals_finishing_first(chat_tokenizer, between):
     """Rounds of 3 tokens with the frozen policy at versions 0, 1, ...: the requests stay live in the engine
-    between rounds ("live"), are re-encoded after ``load`` (a new step's weights, here the same), or are
-    resubmitted to a new engine (a resumed run): each gives the trajectories and gradient of one go."""
+    between rounds ("live"), are re-encoded after ``load`` (a new step's weights, here the same), stay live on
+    their cache across ``load(reencode=False)`` ("keep"), or are resubmitted to a new engine (a resumed run): each
+    gives the trajectories and gradient of one go."""
     tok = chat_tokenizer
     model = tiny(tok)
     fmt, ps = prompts(tok)
@@ -54,8 +55,8 @@ def test_partial_rollout_equals_finishing_first(chat_tokenizer, between):
     rollout = Rollout(model, tok, fmt.stop, 14, version=0)
     rounds = 0
     while not all(t.done for t in parts):
-        if between == "load":
-            rollout.load(model, rounds)
+        if between in ("load", "keep"):
+            rollout.load(model, rounds, reencode=between == "load")
         elif between == "new":
             rollout = Rollout(model, tok, fmt.stop, 14, version=rounds)
         else:
@@ -93,6 +94,46 @@ def test_load_puts_new_weights_in_the_engine(chat_tokenizer):
         assert x.tokens == y.tokens and x.versions == y.versions and x.finish == y.finish
         torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
     assert carried[0].versions[:3] == [0, 0, 1] and loaded[0].versions == [1] * len(loaded[0].tokens)
+
+
+def test_load_without_reencoding_continues_on_the_kept_cache(chat_tokenizer):
+    """``load(b, reencode=False)``: the carried replies continue on the cache policy a wrote. A policy b that
+    differs from a only in the LM head writes the same cache (no layer reads the head), so there the kept cache is
+    exactly b's and the continuation equals re-encoding; a b that differs in a layer's weights writes another
+    cache, so the kept one gives other log-probs than re-encoding. Either way no request is resubmitted and the
+    tokens drawn before the load keep version 0."""
+    tok = chat_tokenizer
+    a = tiny(tok, seed=2)
+    fmt, ps = prompts(tok)
+    head, layer = copy.deepcopy(a), copy.deepcopy(a)
+    with torch.no_grad():
+        head.lm_head.weight.mul_(1.5)
+        layer.model.layers[0].self_attn.v_proj.weight.mul_(3.0)  # the first KDA layer's values: its state
+
+    def continued(b, reencode):
+        rollout = Rollout(a, tok, fmt.stop, 8, version=0)
+        trajs = trajectories(ps)
+        rollout.round(trajs, chunk=2)
+        submitted = rollout.engine.submit
+        calls = []
+        rollout.engine.submit = lambda req: calls.append(req) or submitted(req)
+        rollout.load(b, 1, reencode=reencode)
+        rollout.round(trajs)
+        assert [t.versions[:2] for t in trajs] == [[0, 0]] * len(trajs)
+        assert len(calls) == (len(trajs) if reencode else 0)
+        return trajs
+
+    for b, same in ((head, True), (layer, False)):
+        kept, again = continued(b, False), continued(b, True)
+        for x, y in zip(kept, again):
+            assert x.tokens[:2] == y.tokens[:2] and x.logprobs[:2] == y.logprobs[:2]
+        lp = lambda ts: torch.tensor([t.logprobs[2] for t in ts])  # noqa: E731  the first token after the load
+        if same:
+            for x, y in zip(kept, again):
+                assert x.tokens == y.tokens
+                torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+        else:
+            assert (lp(kept) - lp(again)).abs().max() > 1e-3
 
 
 def test_recorded_logprobs_are_the_training_forwards(chat_tokenizer):

@@ -10,10 +10,11 @@ R kv_lora_rank, Dr rope dim, Tp tokens per page.
   sequence's queries attend over its whole context (cache + new tokens), expanded per head, with a causal
   mask aligned to the bottom right.
 - ``DecodeMixer``: one token per row. KDA layers update their states IN PLACE (``k3::kda_decode_paged``: the
-  short convs' tails and the recurrent state, in the pool, nothing copied); MLA layers write the new latent
-  into its page and attend over the pages in place through the page table (``k3::mla_decode_paged``). Both
-  are registered as torch custom ops that find the pool by key, so ``torch.compile`` treats them as opaque
-  kernels and the pool never becomes a graph input (the same device buffers serve every CUDA-graph replay).
+  short convs' tails and the recurrent state, in the pool, nothing copied; on CUDA one fused kernel that reads
+  q, k, v, f and b as the projection's slices); MLA layers write the new latent into its page and attend over
+  the pages in place through the page table (``k3::mla_decode_paged``). Both are registered as torch custom
+  ops that find the pool by key, so ``torch.compile`` treats them as opaque kernels and the pool never becomes
+  a graph input (the same device buffers serve every CUDA-graph replay).
 """
 
 from __future__ import annotations
@@ -43,19 +44,22 @@ def release_pool(key: int) -> None:
 
 # ---- the decode kernels as custom ops ---------------------------------------------------------------------------
 @torch.library.custom_op("k3::kda_decode_paged", mutates_args=())
-def kda_decode_paged(x3: torch.Tensor, f: torch.Tensor, b: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor,
-                     w_v: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, index: torch.Tensor,
-                     pool_key: int, layer: int, gate_kind: str, lower_bound: float, backend: str) -> torch.Tensor:
-    """x3 [B,3,H*K] pre-conv q/k/v, f [B,H,K] raw gate input, b [B,H] raw beta -> o [B,H,K] (x3's dtype); the KDA state
-    of KDA layer ``layer`` of each row (page ``index[b]``) is updated in place in the pool."""
+def kda_decode_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                     w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor, A_log: torch.Tensor,
+                     dt_bias: torch.Tensor, index: torch.Tensor, pool_key: int, layer: int, gate_kind: str,
+                     lower_bound: float, backend: str) -> torch.Tensor:
+    """q, k, v [B,H*K] pre-conv, f [B,H,K] raw gate input, b [B,H] raw beta, each read through its strides (slices
+    of the fused projection's output) -> o [B,H,V] (q's dtype); the KDA state and conv tails of KDA layer ``layer``
+    of each row (page ``index[b]``) are updated in place in the pool."""
     pool = _POOLS[pool_key]
-    return kda_decode(x3, f, b, (w_q, w_k, w_v), A_log, dt_bias, pool.kda_state(layer), pool.kda_conv(layer),
+    return kda_decode(q, k, v, f, b, (w_q, w_k, w_v), A_log, dt_bias, pool.kda_state(layer), pool.kda_conv(layer),
                       index, gate_kind, lower_bound, backend=backend)
 
 
 @kda_decode_paged.register_fake
-def _(x3, f, b, w_q, w_k, w_v, A_log, dt_bias, index, pool_key, layer, gate_kind, lower_bound, backend):
-    return f.new_empty(f.shape, dtype=x3.dtype)
+def _(q, k, v, f, b, w_q, w_k, w_v, A_log, dt_bias, index, pool_key, layer, gate_kind, lower_bound, backend):
+    B, H = b.shape
+    return q.new_empty(B, H, v.shape[-1] // H)
 
 
 @torch.library.custom_op("k3::mla_decode_paged", mutates_args=())
@@ -90,7 +94,7 @@ class DecodeMixer:
     def _kda(self, attn, slot: int, x: torch.Tensor) -> torch.Tensor:
         q, k, v, f, b, gate = attn.projections(x)  # [B,1,HK] x3, [B,1,H,K], [B,1,H], [B,1,HK]
         o = torch.ops.k3.kda_decode_paged(
-            torch.cat([q, k, v], dim=1), f[:, 0], b[:, 0], attn.q_conv1d.weight, attn.k_conv1d.weight,
+            q[:, 0], k[:, 0], v[:, 0], f[:, 0], b[:, 0], attn.q_conv1d.weight, attn.k_conv1d.weight,
             attn.v_conv1d.weight, attn.A_log, attn.dt_bias, self.kda_index[:, slot // self.per_page], self.pool_key,
             slot, attn.gate_kind, float(attn.lower_bound), attn.backend)
         return attn.output(o[:, None], gate)

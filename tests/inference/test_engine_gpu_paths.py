@@ -1,6 +1,6 @@
-"""The engine with the code paths it takes on a GPU, on CPU tensors: fla-core's fused recurrent KDA decode
-(``ssm_state_indices``, state updated in place), our Triton kernels for the short-conv decode, the MLA latent write
-and flash-decoding over the pages, all under Triton's interpreter
+"""The engine with the code paths it takes on a GPU, on CPU tensors: our fused Triton KDA decode kernel (short
+convs, norms, gate and recurrence in one launch, tails and state updated in place), our Triton kernels for the MLA
+latent write and flash-decoding over the pages, all under Triton's interpreter
 (``TRITON_INTERPRET=1``, set by tests/conftest.py without CUDA), with fused projections (the engine's default,
 whose outputs are column slices of one matmul). Teacher-forced decode logits of a batch of sequences at mixed
 context lengths equal the model's full forward over each whole sequence (fp32: relative RMS 1e-4), step by step.
@@ -20,8 +20,8 @@ from k3.data.tokenizer import train_tokenizer
 from k3.inference.api import GenerationRequest, SamplingParams
 from k3.inference.engine import Engine, EngineConfig
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("fla") is None or importlib.util.find_spec("triton") is None,
-                                reason="needs fla-core and triton (the test extra installs both)")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="needs triton (the test extra installs it)")
 
 
 def _rel(a, b):
@@ -33,15 +33,15 @@ def gpu_paths(monkeypatch):
     """Route the engine's decode through the CUDA branches of its dispatchers."""
     import k3.inference.mixers as mixers
     from k3.ops._mla_decode_triton import write_latents
-    from k3.ops.kda.decode import _kda_decode_fused
+    from k3.ops.kda.decode import kda_decode_fused
     from k3.ops.mla_decode import mla_decode_triton
 
     calls = {"kda": 0, "mla": 0}
 
-    def kda_decode(x3, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind, lower_bound, backend):
+    def kda_decode(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind, lower_bound, backend):
         calls["kda"] += 1
-        return _kda_decode_fused(x3, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind, lower_bound,
-                                 None)
+        return kda_decode_fused(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind,
+                                lower_bound)
 
     def mla_decode_append(q_lat, q_pe, latent, cache, page_table, positions, scale):
         calls["mla"] += 1

@@ -1,5 +1,6 @@
-"""The decode kernels against their references: paged MLA decode (our Triton kernel), the KDA short convs (our
-Triton kernel) and the in-place KDA recurrence (fla-core's fused kernel with state indices). Triton kernels run
+"""The decode kernels against their references: paged MLA decode (our Triton kernel), the whole KDA decode step
+(our fused Triton kernel), and the "fla" A/B path of it (our short-conv kernel, then fla-core's fused recurrence
+with state indices). Triton kernels run
 in Triton's interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET=1 where there is no GPU), so these
 run in CI; on a GPU they run compiled. Each reference is itself tied to the model: the decode reference, step by
 step, equals the KDA layer's forward over the whole sequence."""
@@ -49,15 +50,33 @@ def test_mla_decode_reference_is_attention_over_the_gathered_context():
         torch.testing.assert_close(out[b], s.softmax(-1) @ lat[:, :R])
 
 
-def _kda_inputs(B=3, H=2, K=16, W=4, P=6):
-    torch.manual_seed(1)
-    base = torch.randn(P, 2, H, K, K, device=DEV) * 0.1
-    return dict(x3=torch.randn(B, 3, H * K, device=DEV), f=torch.randn(B, H, K, device=DEV),
-                b=torch.randn(B, H, device=DEV), conv_weights=[torch.randn(H * K, 1, W, device=DEV) for _ in range(3)],
-                A_log=torch.randn(H, device=DEV) * 0.1, dt_bias=torch.randn(H * K, device=DEV),
-                state=base[:, 1], conv=torch.randn(P, 2, 3, H * K, W - 1, device=DEV)[:, 0],
-                # a column of a wider table, as the engine passes it (one column per group of KDA layers)
-                index=torch.tensor([[9, 4, 7], [9, 0, 7], [9, 2, 7]][:B], device=DEV)[:, 1])
+def _kda_inputs(B=3, H=2, K=16, W=4, P=6, dtype=torch.float32, seed=1):
+    """One decode step's inputs as the engine passes them: q, k, v, f and b column slices of one wider projection
+    output (row stride != their width), state and conv tails strided slots of a pool of P > B pages, the index a
+    column of a wider table, not sorted."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g) * s).to(DEV)
+
+    HK = H * K
+    wide = r(B, 4 * HK + H + 5).to(dtype)  # [q | k | v | f | b | 5 more], one row per decode row
+    cut = [2, 2 + HK, 2 + 2 * HK, 2 + 3 * HK, 2 + 4 * HK, 2 + 4 * HK + H]
+    pages = torch.randperm(P, generator=g)[:B]
+    table = torch.stack([torch.full((B,), P + 3), pages, torch.full((B,), P + 4)], 1)
+    return dict(q=wide[:, cut[0]:cut[1]], k=wide[:, cut[1]:cut[2]], v=wide[:, cut[2]:cut[3]],
+                f=wide[:, cut[3]:cut[4]].view(B, H, K), b=wide[:, cut[4]:cut[5]],
+                conv_weights=[r(HK, 1, W, s=0.5) for _ in range(3)], A_log=r(H, s=0.1), dt_bias=r(HK) - 3,
+                state=r(P, 2, H, K, K, s=0.5)[:, 1], conv=r(P, 2, 3, HK, W - 1).to(dtype)[:, 0],
+                index=table.to(DEV)[:, 1])
+
+
+def _next_token(inp, seed):
+    """The same pool and weights, the next token's projections (new values written into the same strided slices)."""
+    g = torch.Generator().manual_seed(seed)
+    for name in ("q", "k", "v", "f", "b"):
+        inp[name].copy_(torch.randn(inp[name].shape, generator=g))
+    return inp
 
 
 @needs_triton
@@ -65,30 +84,87 @@ def test_short_conv_decode_kernel_matches_reference():
     from k3.ops.kda._decode_triton import conv_decode
 
     a, b = _kda_inputs(), _kda_inputs()
-    ref = conv_decode_reference(a["x3"], a["conv_weights"], a["conv"], a["index"])
-    out = conv_decode(b["x3"], b["conv_weights"], b["conv"], b["index"])
+    x3a, x3b = (torch.stack([i["q"], i["k"], i["v"]], 1) for i in (a, b))
+    ref = conv_decode_reference(x3a, a["conv_weights"], a["conv"], a["index"])
+    out = conv_decode(x3b, b["conv_weights"], b["conv"], b["index"])
     torch.testing.assert_close(out.permute(1, 0, 2), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(b["conv"], a["conv"], atol=0, rtol=0)  # tails shifted in place, other slots untouched
 
 
-@needs_fla
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
-def test_fused_kda_decode_matches_reference_in_place(gate):
-    from k3.ops.kda.decode import _kda_decode_fused
+@pytest.mark.parametrize("B,K,block_v", [(1, 32, None), (3, 16, 8)], ids=["B1-K32", "B3-K16-BV8"])
+def test_fused_kda_decode_kernel_matches_reference_in_place(B, K, block_v, gate, dtype):
+    """Our one-kernel decode step against the reference over 5 consecutive tokens (W = 4: every tail position is
+    shifted out at least once): outputs, states and conv tails, at slots of a larger pool (the others untouched);
+    with ``block_v`` = 8 each program loops over two V blocks.
+    fp32 to float rounding (1e-5 relative); with bf16 inputs both compute in fp32 (states to the same 1e-5) and
+    round o to bf16, where a value may land one bf16 step (2^-7 relative) apart: o to 1e-2 relative. The tails
+    are the inputs themselves, shifted: exactly equal in either dtype."""
+    from k3.ops.kda.decode import kda_decode_fused
+
+    P = 6
+    a, b = _kda_inputs(B=B, K=K, P=P, dtype=dtype), _kda_inputs(B=B, K=K, P=P, dtype=dtype)
+    assert all(b[n].stride(0) == 4 * 2 * K + 2 + 5 for n in ("q", "k", "v", "b"))  # slices of one wide row
+    assert not b["state"].is_contiguous() and not b["conv"].is_contiguous()
+    idx = b["index"].tolist()
+    assert idx != sorted(idx) or B == 1
+    untouched = [p for p in range(P) if p not in idx]
+    state0, conv0 = b["state"][untouched].clone(), b["conv"][untouched].clone()
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-5, rtol=1e-2)
+    for step in range(5):
+        ref = kda_decode_reference(**_next_token(a, step), gate_kind=gate)
+        out = kda_decode_fused(**_next_token(b, step), gate_kind=gate, block_v=block_v)
+        assert out.dtype == dtype and out.shape == (B, 2, K)
+        torch.testing.assert_close(out, ref, **tol)
+        torch.testing.assert_close(b["state"], a["state"], atol=1e-6, rtol=1e-5)  # in place, the same values
+        assert torch.equal(b["conv"], a["conv"])  # tails shifted in place, exactly
+    assert torch.equal(b["state"][untouched], state0) and torch.equal(b["conv"][untouched], conv0)
+
+
+@needs_triton
+def test_fused_kda_decode_names_what_is_wrong():
+    from k3.ops.kda.decode import kda_decode_fused
+
+    a = _kda_inputs()
+    with pytest.raises(ValueError, match=r"v must be \[B,H\*K\] = \[3,32\]"):
+        kda_decode_fused(**{**a, "v": a["v"][:, :-1]})
+    with pytest.raises(ValueError, match="state must be .* fp32"):
+        kda_decode_fused(**{**a, "state": a["state"].double()})
+    with pytest.raises(ValueError, match="unknown KDA gate 'sigmoid'"):
+        kda_decode_fused(**a, gate_kind="sigmoid")
+
+
+def test_decode_dispatch_takes_the_reference_off_cuda_or_by_request(monkeypatch):
+    """On CPU (or with backend "torch" / K3_KDA_BACKEND=torch) the reference runs whatever DECODE_KERNEL says; an
+    unknown DECODE_KERNEL is named when a CUDA tensor would need it."""
+    from k3.ops.kda import decode
 
     a, b = _kda_inputs(), _kda_inputs()
-    B, H, K = b["f"].shape
-    # as the engine passes them: column slices of one fused projection's output rows (row stride != H*K, H)
-    wide = torch.randn(B, H * K + H + 5, device=DEV)
-    wide[:, 2: 2 + H * K], wide[:, 2 + H * K: 2 + H * K + H] = b["f"].reshape(B, -1), b["b"]
-    b["f"], b["b"] = wide[:, 2: 2 + H * K].view(B, H, K), wide[:, 2 + H * K: 2 + H * K + H]
+    monkeypatch.setattr(decode, "DECODE_KERNEL", "fla")
+    torch.testing.assert_close(decode.kda_decode(**a), kda_decode_reference(**b), atol=0, rtol=0)
+    assert decode._wants_reference("auto", a["q"]) == (DEV == "cpu")
+    monkeypatch.setenv("K3_KDA_BACKEND", "torch")
+    assert decode._wants_reference("auto", a["q"]) and decode._wants_reference("torch", a["q"])
+    with pytest.raises(ValueError, match="unknown KDA backend 'cuda'"):
+        decode.kda_decode(**a, backend="cuda")
+
+
+@needs_fla
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
+def test_fla_kda_decode_matches_reference_in_place(gate):
+    """The "fla" A/B path (DECODE_KERNEL = "fla"): our conv kernel, then fla-core's recurrence."""
+    from k3.ops.kda.decode import _kda_decode_fla
+
+    a, b = _kda_inputs(), _kda_inputs()
     assert not b["f"].is_contiguous() and not b["b"].is_contiguous()
     before = a["state"].clone()
     ref = kda_decode_reference(**a, gate_kind=gate)
-    out = _kda_decode_fused(**b, gate_kind=gate, lower_bound=-5.0, scale=None)
+    out = _kda_decode_fla(**b, gate_kind=gate, lower_bound=-5.0, scale=None)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(b["state"], a["state"], atol=2e-5, rtol=1e-4)  # updated in place, same values
-    untouched = [p for p in range(6) if p not in (4, 0, 2)]
+    untouched = [p for p in range(6) if p not in b["index"].tolist()]
     assert torch.equal(b["state"][untouched], before[untouched])
 
 
@@ -107,7 +183,7 @@ def test_decode_reference_step_by_step_equals_the_layer_over_the_sequence():
     outs = []
     for t in range(x.shape[1]):
         q, k, v, f, b, gate = layer.projections(x[:, t: t + 1])
-        o = kda_decode_reference(torch.cat([q, k, v], 1), f[:, 0], b[:, 0], (layer.q_conv1d.weight,
+        o = kda_decode_reference(q[:, 0], k[:, 0], v[:, 0], f[:, 0], b[:, 0], (layer.q_conv1d.weight,
                                  layer.k_conv1d.weight, layer.v_conv1d.weight), layer.A_log, layer.dt_bias, state,
                                  conv, index, layer.gate_kind, layer.lower_bound)
         outs.append(layer.output(o[:, None], gate))

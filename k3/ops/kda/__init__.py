@@ -15,16 +15,17 @@ from . import reference
 from .fla import fla_available, fla_chunk_kda, fla_fused_recurrent_kda
 from .gate import kda_gate, lower_bound_gate, softplus_gate
 
-__all__ = ["chunk_kda", "recurrent_kda", "kda_gate", "lower_bound_gate", "softplus_gate", "resolve_backend"]
+__all__ = ["chunk_kda", "recurrent_kda", "kda_gate", "lower_bound_gate", "softplus_gate", "resolve_backend",
+           "requested_backend"]
 
 BACKENDS = ("auto", "torch", "fla")
 BACKEND_ENV = "K3_KDA_BACKEND"  # overrides what backend="auto" resolves to
 
 
-def resolve_backend(backend: str, x: torch.Tensor) -> str:
-    """The kernels ``backend`` means for tensors like ``x``: "torch" or "fla". For "auto", ``K3_KDA_BACKEND``
-    (read at every call) decides when set to "torch" or "fla"; unset, empty or "auto": fla-core on CUDA when it
-    imports, else the reference."""
+def requested_backend(backend: str) -> str:
+    """``backend`` after the ``K3_KDA_BACKEND`` override of "auto" (read at every call): "auto", "torch" or "fla",
+    before any look at the device (the decode, whose kernel needs no fla-core, tells "torch" by request apart
+    from "auto" without fla-core)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown KDA backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
@@ -32,8 +33,16 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
         if override not in BACKENDS:
             raise ValueError(f"environment variable {BACKEND_ENV}={os.environ[BACKEND_ENV]!r} is not a KDA backend; "
                              f"expected one of {BACKENDS} (or unset)")
-        if override != "auto":
-            return override
+        return override
+    return backend
+
+
+def resolve_backend(backend: str, x: torch.Tensor) -> str:
+    """The kernels ``backend`` means for tensors like ``x``: "torch" or "fla". For "auto", ``K3_KDA_BACKEND``
+    (read at every call) decides when set to "torch" or "fla"; unset, empty or "auto": fla-core on CUDA when it
+    imports, else the reference."""
+    backend = requested_backend(backend)
+    if backend == "auto":
         return "fla" if fla_available(x) else "torch"
     return backend
 

@@ -2,18 +2,28 @@
 
 Legend: B rows, H heads, K = V head dim, W conv width, P pages (state slots). ``state`` [P,H,K,V] fp32 and
 ``conv`` [P,3,H*K,W-1] are strided views of the engine's page pool; row b's state is slot ``index[b]``.
-Per row, from the three pre-conv projections x [3,H*K] (q, k, v), the raw gate input f [H,K] and the raw beta
-logit b [H]:
+Per row, from the pre-conv projections q, k, v [H*K] each, the raw gate input f [H,K] and the raw beta logit b [H]:
 
     y = SiLU(conv(tail ++ x)),  tail <- last W-1 inputs        (the short convs, q/k/v)
     q, k = L2Norm(y_q), L2Norm(y_k) per head;  v = y_v;  g = gate(f);  beta = sigmoid(b)
     S <- (I - beta k k^T) Diag(e^g) S + beta k v^T;  o = S^T q * scale        (the recurrence, one step)
 
 and both the tail and S are written back into the same slot.
+
 - ``kda_decode_reference``: gathers the slots, runs ``reference.recurrent_kda``, scatters back (CPU; oracle).
-- on CUDA: our Triton kernel for the convs (in place), then fla-core's ``fused_recurrent_kda`` with state
-  indices (``ssm_state_indices``, in-place final state), which also applies the L2 norms, the gate and the beta
-  sigmoid inside the kernel. No state is copied.
+- ``kda_decode_fused``: all of it in ONE Triton kernel (``_decode_triton._kda_decode_kernel``): q, k, v, f and b
+  read in place from their strided slices of the fused projection, convs, norms, gate, beta and the state step
+  in registers, tails and state written back in place. Needs Triton only (not fla-core).
+- ``_kda_decode_fla`` (the A/B alternative, ``DECODE_KERNEL = "fla"``): our Triton short-conv kernel (tails in
+  place), then fla-core's ``fused_recurrent_kda`` with state indices (``ssm_state_indices``, in-place final
+  state), which applies the L2 norms, the gate and the beta sigmoid inside; around them a ``torch.stack`` of q,
+  k, v and a contiguous copy of b (fla indexes its inputs as contiguous tensors): four launches against one.
+
+``kda_decode`` picks: the reference when the KDA backend resolves to "torch" by request (``backend="torch"`` or
+``K3_KDA_BACKEND=torch``: the exact path the distributed tests compare against) or the tensors are not on CUDA
+in a kernel dtype (bf16, fp16, fp32); otherwise the kernel named by ``DECODE_KERNEL``. The fused kernel does
+not depend on fla-core, so "auto" takes it on CUDA even where fla-core does not import (where ``resolve_backend``
+says "torch" only because prefill's chunked kernel is missing); "fla" needs fla-core and says so if it is absent.
 """
 
 from __future__ import annotations
@@ -23,10 +33,17 @@ import torch.nn.functional as F
 
 from ..norms import l2_norm
 from . import reference
-from .fla import fla_available
+from .fla import FLA_DTYPES, fla_available
 from .gate import kda_gate
 
-__all__ = ["kda_decode", "kda_decode_reference", "conv_decode_reference"]
+__all__ = ["kda_decode", "kda_decode_reference", "kda_decode_fused", "conv_decode_reference", "DECODE_KERNEL",
+           "DECODE_KERNELS"]
+
+DECODE_KERNELS = ("k3", "fla")
+# which CUDA kernels run a decode step: "k3" our one fused kernel, "fla" our conv kernel + fla-core's recurrence
+# (kept for A/B measurements: benchmarks/bench_decode.py --kda-decode). Read at every call; a CUDA graph keeps
+# what was chosen when it was captured.
+DECODE_KERNEL = "k3"
 
 
 def conv_decode_reference(x3: torch.Tensor, weights, conv: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -39,45 +56,75 @@ def conv_decode_reference(x3: torch.Tensor, weights, conv: torch.Tensor, index: 
     return F.silu((window * w).sum(-1))
 
 
-def kda_decode_reference(x3, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind: str = "lower_bound",
-                         lower_bound: float = -5.0, scale: float | None = None) -> torch.Tensor:
-    """See the module docstring; returns o [B,H,V] in x3's dtype. ``index`` [B] long."""
+def kda_decode_reference(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index,
+                         gate_kind: str = "lower_bound", lower_bound: float = -5.0,
+                         scale: float | None = None) -> torch.Tensor:
+    """See the module docstring: q, k, v [B,H*K] pre-conv, f [B,H,K], b [B,H] (any strides); returns o [B,H,V] in
+    q's dtype. ``index`` [B] long."""
     B, H, K = f.shape
-    y = conv_decode_reference(x3, conv_weights, conv, index)  # [B,3,HK]
-    q, k = l2_norm(y[:, 0].view(B, 1, H, K)), l2_norm(y[:, 1].view(B, 1, H, K))
-    v = y[:, 2].view(B, 1, H, K)
+    y = conv_decode_reference(torch.stack([q, k, v], dim=1), conv_weights, conv, index)  # [B,3,HK] fp32
+    qn, kn = l2_norm(y[:, 0].view(B, 1, H, K)), l2_norm(y[:, 1].view(B, 1, H, K))
+    vy = y[:, 2].view(B, 1, H, K)
     g = kda_gate(f[:, None], A_log, dt_bias, gate_kind, lower_bound)
     beta = torch.sigmoid(b.float())[:, None]
-    o, s = reference.recurrent_kda(q, k, v, g, beta, scale, initial_state=state[index], output_final_state=True)
+    o, s = reference.recurrent_kda(qn, kn, vy, g, beta, scale, initial_state=state[index], output_final_state=True)
     state.index_copy_(0, index, s)
-    return o[:, 0].to(x3.dtype)
+    return o[:, 0].to(q.dtype)
 
 
-def kda_decode(x3, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind: str = "lower_bound",
+def _wants_reference(backend: str, x: torch.Tensor) -> bool:
+    """True when the decode must run the pure-torch reference (see the module docstring)."""
+    from . import requested_backend
+
+    return requested_backend(backend) == "torch" or not x.is_cuda or x.dtype not in FLA_DTYPES
+
+
+def kda_decode(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind: str = "lower_bound",
                lower_bound: float = -5.0, scale: float | None = None, backend: str = "auto") -> torch.Tensor:
-    """The fused path on CUDA with fla-core (``backend`` "auto" or "fla"), the reference elsewhere."""
-    from . import resolve_backend
+    """One decode step, in place; same arguments as ``kda_decode_reference``. Which kernels run: see the module
+    docstring (``DECODE_KERNEL`` on CUDA, the reference elsewhere or with backend "torch")."""
+    args = (q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind, lower_bound, scale)
+    if _wants_reference(backend, q):
+        return kda_decode_reference(*args)
+    if DECODE_KERNEL == "k3":
+        from ..mla_decode import triton_available
 
-    if resolve_backend(backend, x3) == "fla" and fla_available(x3):
-        return _kda_decode_fused(x3, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind, lower_bound,
-                                 scale)
-    return kda_decode_reference(x3, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind, lower_bound,
-                                scale)
+        return kda_decode_fused(*args) if triton_available() else kda_decode_reference(*args)
+    if DECODE_KERNEL == "fla":
+        if not fla_available(q):
+            raise RuntimeError("k3.ops.kda.decode.DECODE_KERNEL = 'fla' runs fla-core's fused recurrent kernel, "
+                               "which does not import here: pip install 'k3[gpu]', or set it to 'k3'")
+        return _kda_decode_fla(*args)
+    raise ValueError(f"k3.ops.kda.decode.DECODE_KERNEL = {DECODE_KERNEL!r}; expected one of {DECODE_KERNELS}")
 
 
-def _kda_decode_fused(x3, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind, lower_bound, scale):
+def kda_decode_fused(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind: str = "lower_bound",
+                     lower_bound: float = -5.0, scale: float | None = None, block_v: int | None = None,
+                     num_warps: int | None = None) -> torch.Tensor:
+    """The whole decode step as one Triton kernel launch (arguments as ``kda_decode_reference``; the tensors are
+    read through their strides, nothing is copied). ``block_v``, ``num_warps``: the kernel's V tile and warps
+    (defaults in ``_decode_triton.kda_decode_launch``). Returns o [B,H,V] in q's dtype."""
+    from ._decode_triton import kda_decode_launch
+
+    return kda_decode_launch(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind, lower_bound,
+                             scale, block_v, num_warps)
+
+
+def _kda_decode_fla(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind, lower_bound, scale):
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     from ._decode_triton import conv_decode
 
     B, H, K = f.shape
-    y = conv_decode(x3, conv_weights, conv, index)  # [3,B,HK] in x3's dtype: q, k, v each contiguous
+    y = conv_decode(torch.stack([q, k, v], dim=1), conv_weights, conv, index)  # [3,B,HK] in q's dtype, planes
     v = y[2].view(B, 1, H, K)
     # fla's kernel indexes every input as a contiguous [B,T,H,...] tensor (its raw forward, unlike its autograd
-    # wrapper, does not make them so): the engine's f and b are column slices of the fused projection's output
+    # wrapper, does not make them so): the engine's b (and f, if it were one) is a column slice of the fused
+    # projection's output
     f, b = f.reshape(B, 1, H, K).contiguous(), b.reshape(B, 1, H).contiguous()
     o, _ = fused_recurrent_kda_fwd(
-        q=y[0].view(B, 1, H, K), k=y[1].view(B, 1, H, K), v=v, g=f, out=torch.empty_like(v), beta=b, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=state,
-        inplace_final_state=True, ssm_state_indices=index, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-        use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound if gate_kind == "lower_bound" else None)
+        q=y[0].view(B, 1, H, K), k=y[1].view(B, 1, H, K), v=v, g=f, out=torch.empty_like(v), beta=b, A_log=A_log,
+        dt_bias=dt_bias, scale=scale, initial_state=state, inplace_final_state=True, ssm_state_indices=index,
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+        lower_bound=lower_bound if gate_kind == "lower_bound" else None)
     return o[:, 0]

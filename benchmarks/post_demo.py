@@ -117,6 +117,7 @@ def main():
     p.add_argument("--sft-batch", type=int, default=8)
     p.add_argument("--sft-seq-len", type=int, default=128)
     p.add_argument("--rl-steps", type=int, default=150)
+    p.add_argument("--low-steps", type=int, default=None, help="steps of the low/high RL stage (default: --rl-steps)")
     p.add_argument("--mopd-steps", type=int, default=150)
     p.add_argument("--rl-lr", type=float, default=3e-4)
     p.add_argument("--samples", type=int, default=8)
@@ -171,7 +172,8 @@ def main():
         done("rl_max", evaluate(ckpt, tasks, args))
     if "low" in stages:  # then low and high from it, tau annealed from max's value to theirs
         t1 = time.time()
-        ckpt, _ = rl(args, tasks, "rl-low", out / "rl-max" / "checkpoint", ("low", "high"), args.rl_steps,
+        ckpt, _ = rl(args, tasks, "rl-low", out / "rl-max" / "checkpoint", ("low", "high"),
+                     args.low_steps or args.rl_steps,
                      tau_from=2.0)
         done("rl_low_s", time.time() - t1)
         done("rl_low", evaluate(ckpt, tasks, args))

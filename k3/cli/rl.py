@@ -83,8 +83,8 @@ def rl_config(args, distill: bool = False):
                  "budget_prompts": args.budget_prompts}
     return RLConfig(train=train, tasks=args.tasks, efforts=args.efforts, samples=args.samples, prompts=args.prompts,
                     max_tokens=args.max_tokens, chunk=args.chunk, reencode=args.reencode, eps_low=args.eps_low,
-                    eps_high=args.eps_high, beta=args.beta, eval_every=args.eval_every, eval_problems=args.eval_problems,
-                    micro_tokens=args.micro_tokens, **extra)
+                    eps_high=args.eps_high, beta=args.beta, eval_every=args.eval_every,
+                    eval_problems=args.eval_problems, micro_tokens=args.micro_tokens, **extra)
 
 
 def run(args, distill: bool = False) -> int:

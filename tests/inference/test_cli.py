@@ -105,7 +105,12 @@ class Terminal:
     def wait_for(self, test, timeout=240):
         deadline = time.time() + timeout
         while not test(self.out.decode(errors="replace")):
-            assert self.p.poll() is None and time.time() < deadline, (self.out, self.p.stderr.read())
+            if self.p.poll() is not None or time.time() >= deadline:
+                exited = self.p.poll()
+                self.p.kill()  # (reading stderr of a live process would wait for it forever)
+                self.p.wait(timeout=30)
+                why = f"exited with {exited}" if exited is not None else f"no match in {timeout} s"
+                raise AssertionError(f"{why}; stdout {self.out!r}; stderr {self.p.stderr.read()!r}")
             time.sleep(0.05)
 
     def type(self, line):

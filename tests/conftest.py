@@ -1,7 +1,14 @@
 import os
+import signal
 
 import pytest
 import torch
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    # a suite started in the background of a non-interactive shell (``cmd &``, nohup) inherits SIGINT ignored, and
+    # so would every process it starts: the Ctrl-C tests (k3 chat / generate / train) need it delivered as a
+    # terminal does
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 if not torch.cuda.is_available():
     # Triton kernels (ours and fla-core's) run on CPU tensors in Triton's interpreter: set before any kernel module

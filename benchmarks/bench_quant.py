@@ -14,7 +14,7 @@ memory of packed experts, and (on CUDA) the packed grouped matmul and decode aga
            against torch's bf16 grouped matmul (``torch._grouped_mm``) on the same routed rows, for the `small`
            experts and K3's experts (112 of them: one GPU's share of 896 over 8), decode to prefill row counts; the
            whole expert block (packed bank vs bf16 bank); and decode tokens/s of the `small` model (random
-           weights, bf16) through the engine, bf16 experts vs packed.
+           weights, bf16; ``--decode-presets small,medium`` adds others) through the engine, bf16 experts vs packed.
 
     python benchmarks/bench_quant.py                       # quality + memory on CPU (500 training steps)
     python benchmarks/bench_quant.py --sections gpu        # on a CUDA machine with triton
@@ -206,10 +206,10 @@ def decode(args, dev) -> list[dict]:
 
     tok = train_tokenizer(["k3 benchmark text " * 50], 300)
     out = []
-    for packed in (False, True):
+    for preset, packed in [(p, k) for p in args.decode_presets.split(",") for k in (False, True)]:
         torch.manual_seed(0)
-        model = K3ForCausalLM(K3Config.preset("small").replace(vocab_size=tok.get_vocab_size(),
-                                                               num_nextn_predict_layers=0)).to(dev, torch.bfloat16)
+        model = K3ForCausalLM(K3Config.preset(preset).replace(vocab_size=tok.get_vocab_size(),
+                                                              num_nextn_predict_layers=0)).to(dev, torch.bfloat16)
         if packed:
             pack_experts(model)
         # graphs only up to the batch measured (capturing every bucket to 256 twice outlasted a 150 s step)
@@ -223,7 +223,7 @@ def decode(args, dev) -> list[dict]:
         engine.generate(prompts, params)
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        out.append({"experts": "packed MXFP4" if packed else "bf16", "batch": args.decode_batch,
+        out.append({"preset": preset, "experts": "packed MXFP4" if packed else "bf16", "batch": args.decode_batch,
                     "tokens_per_s": args.decode_batch * args.decode_tokens / dt, "memory": memory_summary(model)})
         print(json.dumps(out[-1]), flush=True)
         del engine, model
@@ -253,6 +253,8 @@ def main():
     ap.add_argument("--eval-only", action="store_true", help="reuse the runs already in --run (no training)")
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--decode-presets", default="small", help="comma list of the presets whose decode is measured, "
+                    "each bf16 then packed (e.g. small,medium)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

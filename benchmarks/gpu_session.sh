@@ -8,6 +8,8 @@
 #   T_TESTS=300 etc. (T_<STEP>, upper case) override a step's limit in seconds.
 #   TESTS replaces the tests step's test files (pytest arguments).
 #   TRAIN_ARGS replaces trainc's extra bench_train arguments (default: --memory-policy efficient).
+#   DECODE_ARGS adds bench_decode arguments (e.g. --sections k3,ttft,peer --kda-decode k3,fla); QUANT_ARGS adds
+#   bench_quant arguments (e.g. --decode-presets small,medium).
 set -u
 OUT=${OUT:-/tmp/k3-gpu}
 mkdir -p "$OUT/logs"
@@ -51,7 +53,7 @@ for s in $steps; do
     # packed documents: MLA's length groups and the unpadded short conv against padded rows, on the GPU
     packed) timeout ${T_PACKED:-300} python3 benchmarks/bench_packed.py --ops mla,conv --batches 3 --json "$L/bench_packed.json" 2>&1 | tee "$L/bench_packed.log" ;;
     # MXFP4 experts: the packed-path GPU tests, then the packed grouped matmul and decode against bf16
-    quant)  timeout ${T_QUANT:-480} bash -c "python3 -m pytest -q -p no:cacheprovider -W ignore tests/gpu/test_quant.py tests/ops/test_mx.py; python3 benchmarks/bench_quant.py --sections gpu,memory --json $L/bench_quant.json" 2>&1 | tee "$L/bench_quant.log" ;;
+    quant)  timeout ${T_QUANT:-480} bash -c "python3 -m pytest -q -p no:cacheprovider -W ignore tests/gpu/test_quant.py tests/ops/test_mx.py; python3 benchmarks/bench_quant.py --sections gpu,memory ${QUANT_ARGS:-} --json $L/bench_quant.json" 2>&1 | tee "$L/bench_quant.log" ;;
     # post-training on small: SFT -> RL per effort -> MOPD -> partial rollout timing (issue 17's GPU run)
     post)   timeout ${T_POST:-590} python3 benchmarks/post_demo.py --preset small --device cuda --sft-steps 3000 --rl-steps 200 --max-tokens 1024 --tasks arithmetic,sorting --out /tmp/k3-post 2>&1 | tee "$L/post_demo.log" ;;
     kda)    timeout ${T_KDA:-420} python3 benchmarks/bench_kda.py --json "$L/bench_kda.json" 2>&1 | tee "$L/bench_kda.log" ;;

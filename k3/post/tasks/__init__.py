@@ -8,7 +8,8 @@
     task.verify(p, "... Answer: 5 9")             # 1.0
 
 ``arithmetic`` (+, -, * of multi-digit numbers), ``sorting`` (a list of integers), ``brackets`` (close the open
-brackets / is it balanced), ``python`` (a function body run against tests in a sandboxed subprocess).
+brackets / is it balanced), ``parity`` (of labelled bits), ``python`` (a function body run against tests in a
+sandboxed subprocess).
 ``write_sft_jsonl`` writes their training split as chat JSONL for ``k3 sft``.
 """
 
@@ -17,16 +18,18 @@ from __future__ import annotations
 from .arithmetic import Arithmetic
 from .base import EFFORTS, SPLITS, TEST_FRACTION, Problem, Task, final_answer, split_of, stream
 from .brackets import Brackets
+from .parity import Parity
 from .python_fn import PythonFunctions
 from .sandbox import SandboxResult, run_python
 from .sft import write_sft_jsonl
 from .sorting import Sorting
 
-TASKS: dict[str, Task] = {t.name: t for t in (Arithmetic(), Sorting(), Brackets(), PythonFunctions())}
+TASKS: dict[str, Task] = {t.name: t for t in (Arithmetic(), Sorting(), Brackets(), Parity(),
+                                              PythonFunctions())}
 
 __all__ = ["TASKS", "EFFORTS", "SPLITS", "TEST_FRACTION", "Problem", "Task", "get_task", "split_of", "stream",
-           "final_answer", "Arithmetic", "Sorting", "Brackets", "PythonFunctions", "run_python", "SandboxResult",
-           "write_sft_jsonl"]
+           "final_answer", "Arithmetic", "Sorting", "Brackets", "Parity", "PythonFunctions", "run_python",
+           "SandboxResult", "write_sft_jsonl"]
 
 
 def get_task(name: str) -> Task:

@@ -17,7 +17,7 @@ from k3.post.sft_data import load_conversations
 from k3.post.tasks import (TASKS, Arithmetic, Brackets, Problem, PythonFunctions, Sorting, final_answer, get_task,
                            run_python, split_of, write_sft_jsonl)
 
-NAMES = ["arithmetic", "sorting", "brackets", "python"]
+NAMES = ["arithmetic", "sorting", "brackets", "parity", "python"]
 
 
 def wrong(p: Problem) -> list[str]:
@@ -31,6 +31,8 @@ def wrong(p: Problem) -> list[str]:
         if len(set(xs)) > 1:
             out.append(" ".join(map(str, sorted(xs, reverse=True))))
         return out
+    if p.domain == "parity":
+        return ["even" if p.answer == "odd" else "odd", "", "1"]
     if p.domain == "brackets":
         if p.meta["kind"] == "balanced":
             return ["no" if p.answer == "yes" else "yes", ""]
@@ -58,7 +60,8 @@ def test_generate_is_deterministic_distinct_and_of_its_split(name):
 
 
 @pytest.mark.parametrize("name,n_train,n_test", [("arithmetic", 3000, 300), ("sorting", 3000, 300),
-                                                 ("brackets", 3000, 300), ("python", 600, 60)])
+                                                 ("brackets", 3000, 300), ("parity", 3000, 300),
+                                                 ("python", 600, 60)])
 def test_splits_never_share_a_problem(name, n_train, n_test):
     task = get_task(name)
     train = {p.prompt for s in (0, 1) for p in task.generate("train", n_train, seed=s)}
@@ -152,6 +155,25 @@ def test_difficulty_sets_the_size():
         Sorting().generate("valid", 3)
     with pytest.raises(ValueError, match="fewer than 50 distinct"):
         Arithmetic(difficulty=1, ops=("+",)).generate("test", 50)
+
+
+def test_parity_problem_and_traces():
+    """The running parity under each label at max, every second one and the last at high; the answer the XOR."""
+    from k3.post.tasks import Parity
+
+    task = Parity(difficulty=6)
+    p = Problem("parity", "Parity: a 1 b 0 c 1 d 1 e 0", "odd", {"bits": [1, 0, 1, 1, 0]})
+    assert task.reference_reasoning(p, "max") == "a 1 b 1 c 0 d 1 e 1"
+    assert task.reference_reasoning(p, "high") == "b 1 d 1 e 1"
+    assert task.reference_reasoning(p, "low") == ""
+    assert task.verify(p, "<think>\na 1 b 1 c 0 d 1 e 1\n</think>\nAnswer: Odd.") == 1.0
+    for q in task.generate("train", 80, seed=0):
+        bits = q.meta["bits"]
+        assert 2 <= len(bits) <= 6 and q.answer == ("odd" if sum(bits) % 2 else "even")
+        assert q.prompt == "Parity: " + " ".join(f"{chr(97 + i)} {b}" for i, b in enumerate(bits))
+        assert task.reference_reasoning(q, "max").split()[-1] == str(sum(bits) % 2)
+    with pytest.raises(ValueError, match="difficulty must be an integer in"):
+        Parity(difficulty=27)
 
 
 def test_sorting_long_tail_lengths():

@@ -55,7 +55,7 @@ for s in $steps; do
     # MXFP4 experts: the packed-path GPU tests, then the packed grouped matmul and decode against bf16
     quant)  timeout ${T_QUANT:-480} bash -c "python3 -m pytest -q -p no:cacheprovider -W ignore tests/gpu/test_quant.py tests/ops/test_mx.py; python3 benchmarks/bench_quant.py --sections gpu,memory ${QUANT_ARGS:-} --json $L/bench_quant.json" 2>&1 | tee "$L/bench_quant.log" ;;
     # post-training on small: SFT -> RL per effort -> MOPD -> partial rollout timing (issue 17's GPU run)
-    post)   timeout ${T_POST:-590} python3 benchmarks/post_demo.py --preset small --device cuda --sft-steps 3000 --rl-steps 200 --max-tokens 1024 --tasks arithmetic,sorting --out /tmp/k3-post 2>&1 | tee "$L/post_demo.log" ;;
+    post)   timeout ${T_POST:-590} python3 benchmarks/post_demo.py --preset small --device cuda --sft-steps 3000 --rl-steps 200 --max-tokens 1024 --tasks parity,sorting --difficulty parity=16,sorting=8 --out /tmp/k3-post 2>&1 | tee "$L/post_demo.log" ;;
     kda)    timeout ${T_KDA:-420} python3 benchmarks/bench_kda.py --json "$L/bench_kda.json" 2>&1 | tee "$L/bench_kda.log" ;;
     # the suite checks the distributed logic with the reference KDA kernels (no fla autotuning in every spawned
     # process: that alone outlasted the step's limit); fla's kernels under CP are the flacp step's

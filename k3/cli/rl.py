@@ -31,7 +31,7 @@ def add_rl_arguments(p, distill: bool = False) -> None:
         if action.dest == "init_from":
             action.required, action.help = True, "the SFT checkpoint to start from (its tokenizer and chat format)"
     p.add_argument("--tasks", type=_csv, default=("arithmetic",), help="comma-separated embedded tasks "
-                   "(arithmetic, sorting, brackets, python)")
+                   "(arithmetic, sorting, brackets, parity, python)")
     p.add_argument("--efforts", type=_csv, default=("max",), help="comma-separated reasoning efforts (low, high, max)")
     p.add_argument("--samples", type=positive_int, default=8, help="replies per prompt (the group of advantages)")
     p.add_argument("--prompts", type=positive_int, default=8, help="new prompts per step")

@@ -137,3 +137,10 @@ def spaced(items) -> str:
 
 def unspace(text: str) -> str:
     return "".join(text.split())
+
+
+def first_word(text: str) -> str:
+    """The answer's first word in lower case, a final "." dropped ("Yes." -> "yes"; "" when there is none): how
+    one-word answers (yes / no, even / odd) are compared."""
+    words = text.split()
+    return words[0].lower().rstrip(".") if words else ""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .base import Problem, Task, check_difficulty, check_effort, spaced, unspace
+from .base import Problem, Task, check_difficulty, check_effort, first_word, spaced, unspace
 
 PAIRS = {"(": ")", "[": "]", "{": "}"}
 CLOSERS = {v: k for k, v in PAIRS.items()}
@@ -90,5 +90,4 @@ class Brackets(Task):
     def check(self, problem: Problem, answer: str) -> bool:
         if problem.meta["kind"] == "close":
             return unspace(answer) == unspace(problem.answer)
-        words = answer.split()
-        return bool(words) and words[0].lower().rstrip(".") == problem.answer
+        return first_word(answer) == problem.answer

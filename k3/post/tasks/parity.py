@@ -17,7 +17,7 @@ import random
 import string
 from dataclasses import dataclass
 
-from .base import Problem, Task, check_difficulty, check_effort, spaced
+from .base import Problem, Task, check_difficulty, check_effort, first_word, spaced
 
 LABELS = string.ascii_lowercase
 
@@ -53,5 +53,4 @@ class Parity(Task):
         return spaced(f"{LABELS[i]} {run[i]}" for i in steps)
 
     def check(self, problem: Problem, answer: str) -> bool:
-        words = answer.split()
-        return bool(words) and words[0].lower().rstrip(".") == problem.answer
+        return first_word(answer) == problem.answer

@@ -76,10 +76,16 @@ def decode_rate(engine, context: int, batch: int, steps: int, profile: bool = Fa
         engine.step()
     sync(engine.device)
     t0 = time.perf_counter()
+    marks = []
     for _ in range(steps):
         engine.step()
+        marks.append(time.perf_counter())
     sync(engine.device)
     dt = (time.perf_counter() - t0) / steps
+    # host time between step returns (asynchronous scheduling: a step returns once its successor is launched), to
+    # tell a uniformly slow step from a few slow ones
+    each = sorted(b - a for a, b in zip([t0] + marks[:-1], marks))
+    spread = {"min": each[0] * 1e3, "median": each[len(each) // 2] * 1e3, "max": each[-1] * 1e3}
     top = None
     if profile:
         top = profile_step(engine)
@@ -87,7 +93,7 @@ def decode_rate(engine, context: int, batch: int, steps: int, profile: bool = Fa
         h.cancel()
     while engine.has_work:
         engine.step()
-    return batch / dt, dt, top
+    return batch / dt, dt, top, spread
 
 
 def profile_step(engine, n: int = 3) -> dict:
@@ -300,12 +306,14 @@ def main():
             explain_graph_breaks(eng)
         if "k3" in sections:
             for B in batches:
-                rate, dt, top = decode_rate(eng, args.context, B, args.steps, args.profile and B in (1, max(batches)))
+                rate, dt, top, spread = decode_rate(eng, args.context, B, args.steps,
+                                                    args.profile and B in (batches[0], batches[-1]))
                 gb = step_bytes(eng.model, eng.layout, B, args.context) / dt
                 record({"model": "k3 hybrid", "batch": B, "context": args.context, "tokens_per_s": rate,
-                        "step_ms": dt * 1e3, "bytes_per_s": gb, "of_hbm": gb / HBM, "profile": top})
+                        "step_ms": dt * 1e3, "step_spread_ms": spread, "bytes_per_s": gb, "of_hbm": gb / HBM,
+                        "profile": top})
             for ctx in longs:
-                rate, dt, _ = decode_rate(eng, ctx, args.long_batch, args.steps)
+                rate, dt, _, _ = decode_rate(eng, ctx, args.long_batch, args.steps)
                 record({"model": "k3 hybrid", "batch": args.long_batch, "context": ctx, "tokens_per_s": rate,
                         "step_ms": dt * 1e3, "bytes_per_s": step_bytes(eng.model, eng.layout, args.long_batch, ctx) / dt,
                         "cache_bytes_per_request": eng.layout.kda_state_bytes + ctx * eng.layout.mla_bytes_per_token})
@@ -330,10 +338,12 @@ def main():
         kda_decode.DECODE_KERNEL = kernel
         eng = build_engine(base, dev, dtype, tok, max(batches) * (args.context + args.steps + 16), max(batches))
         for B in batches:
-            rate, dt, top = decode_rate(eng, args.context, B, args.steps, args.profile and B in (1, max(batches)))
+            rate, dt, top, spread = decode_rate(eng, args.context, B, args.steps,
+                                                args.profile and B in (batches[0], batches[-1]))
             gb = step_bytes(eng.model, eng.layout, B, args.context) / dt
             record({"model": "k3 hybrid", "batch": B, "context": args.context, "tokens_per_s": rate,
-                    "step_ms": dt * 1e3, "bytes_per_s": gb, "of_hbm": gb / HBM, "profile": top})
+                    "step_ms": dt * 1e3, "step_spread_ms": spread, "bytes_per_s": gb, "of_hbm": gb / HBM,
+                    "profile": top})
         eng.stop()
         del eng
     kda_decode.DECODE_KERNEL = kernels[0]
@@ -341,7 +351,7 @@ def main():
         eng = build_engine(base.variant(layers="all-mla"), dev, dtype, tok,
                            args.long_batch * (max(longs) + args.steps + 16), args.long_batch)
         for ctx in longs:
-            rate, dt, _ = decode_rate(eng, ctx, args.long_batch, args.steps)
+            rate, dt, _, _ = decode_rate(eng, ctx, args.long_batch, args.steps)
             record({"model": "k3 all-MLA", "batch": args.long_batch, "context": ctx, "tokens_per_s": rate,
                     "step_ms": dt * 1e3, "bytes_per_s": step_bytes(eng.model, eng.layout, args.long_batch, ctx) / dt,
                     "cache_bytes_per_request": eng.layout.kda_state_bytes + ctx * eng.layout.mla_bytes_per_token})
@@ -351,14 +361,14 @@ def main():
         eng = build_engine(base, dev, dtype, tok, max(batches) * (args.context + args.steps + 16), max_b,
                            async_scheduling=False)
         for B in sorted({min(batches), max(batches)}):
-            rate, dt, _ = decode_rate(eng, args.context, B, args.steps)
+            rate, dt, _, _ = decode_rate(eng, args.context, B, args.steps)
             record({"model": "k3 hybrid, synchronous scheduling", "batch": B, "context": args.context,
                     "tokens_per_s": rate, "step_ms": dt * 1e3})
         eng.stop()
         del eng
     if "eager" in sections:
         eng = build_engine(base, dev, dtype, tok, args.context + args.steps + 64, 1, graphs=False)
-        rate, dt, _ = decode_rate(eng, args.context, 1, min(args.steps, 10))
+        rate, dt, _, _ = decode_rate(eng, args.context, 1, min(args.steps, 10))
         record({"model": "k3 hybrid, eager (no graphs)", "batch": 1, "context": args.context, "tokens_per_s": rate,
                 "step_ms": dt * 1e3})
         eng.stop()
@@ -379,13 +389,15 @@ def main():
 def summarise(rows, args, kernel: str):
     """The table, then k3 / peer and hybrid / all-MLA ratios (with the first KDA decode kernel), then the A/B of
     the others against it."""
-    print("\n| model | KDA decode | batch | context | tokens/s | step ms | bytes/s (of 4.3 TB/s) |\n"
-          "|---|---|---|---|---|---|---|")
+    print("\n| model | KDA decode | batch | context | tokens/s | step ms | step min / median / max ms | "
+          "bytes/s (of 4.3 TB/s) |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "tokens_per_s" in r:
             bw = f"{r['bytes_per_s'] / 1e12:.2f} TB/s ({r['bytes_per_s'] / HBM:.0%})" if "bytes_per_s" in r else ""
+            sp = r.get("step_spread_ms")
+            spread = f"{sp['min']:.3f} / {sp['median']:.3f} / {sp['max']:.3f}" if sp else ""
             print(f"| {r['model']} | {r.get('kda_decode', '')} | {r['batch']} | {r['context']:,} | "
-                  f"{r['tokens_per_s']:,.0f} | {r.get('step_ms', float('nan')):.3f} | {bw} |")
+                  f"{r['tokens_per_s']:,.0f} | {r.get('step_ms', float('nan')):.3f} | {spread} | {bw} |")
     by_kernel = {}
     for r in rows:
         if r.get("model") == "k3 hybrid" and "batch" in r:

@@ -1,7 +1,11 @@
-"""KDA chunk kernel: our pure-torch reference vs fla-core's Triton chunk_kda, with flash SDPA causal attention
-at the same shapes as the peer (SPEC §2.1). Forward and forward+backward, bf16 inputs, gates in (-5, 0).
+"""KDA kernels (SPEC §2.1). The chunk kernel: our pure-torch reference vs fla-core's Triton chunk_kda, with flash
+SDPA causal attention at the same shapes as the peer; forward and forward+backward, bf16 inputs, gates in (-5, 0).
+The decode step (``--decode``): our one fused kernel at several V tiles against the "fla" path (our conv kernel +
+fla-core's fused recurrence), on the engine's layout (q, k, v, f_a, b slices of one projection row, states in a
+strided pool), each timed as a CUDA graph of 20 calls (kernel time without Python's launch cost).
 
     python benchmarks/bench_kda.py [--shapes B1-T8192-H96-D128,B8-T4096-H16-D128] [--json out.json]
+    python benchmarks/bench_kda.py --decode [--decode-batches 1,8,32,64] [--heads 6] [--head-dim 128]
 """
 
 from __future__ import annotations
@@ -58,13 +62,71 @@ def bench_sdpa(B, T, H, D):
     return cuda_time_ms(fwd), cuda_time_ms(fwd_bwd)
 
 
+def graph_time_us(fn, calls: int = 20) -> float:
+    """GPU time of one fn() in us: a CUDA graph of ``calls`` calls, replayed (median of 10 replays)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return cuda_time_ms(g.replay, warmup=2, iters=10) * 1e3 / calls
+
+
+def bench_decode(batches, H, K, RF=None, W=4):
+    """One decode step of one KDA layer: the fused kernel at each V tile, and the fla path, per batch."""
+    from k3.ops.kda import decode
+
+    RF = RF or K
+    HK, rows = H * K, []
+    for B in batches:
+        P = B + 2
+        wide = torch.randn(B, 3 * HK + RF + H + HK, device="cuda", dtype=torch.bfloat16)  # q|k|v|f_a|b|gate
+        q, k, v = wide[:, :HK], wide[:, HK:2 * HK], wide[:, 2 * HK:3 * HK]
+        fa, b = wide[:, 3 * HK:3 * HK + RF], wide[:, 3 * HK + RF:3 * HK + RF + H]
+        args = dict(conv_weights=[torch.randn(HK, 1, W, device="cuda", dtype=torch.bfloat16) for _ in range(3)],
+                    A_log=torch.zeros(H, device="cuda"), dt_bias=torch.zeros(HK, device="cuda"),
+                    state=torch.zeros(P, H, K, K, device="cuda"),
+                    conv=torch.zeros(P, 3, HK, W - 1, device="cuda", dtype=torch.bfloat16),
+                    index=torch.randperm(P, device="cuda")[:B])
+        f_b = torch.randn(HK, RF, device="cuda", dtype=torch.bfloat16) * RF ** -0.5
+        row = {"batch": B, "heads": H, "head_dim": K}
+        for bv in (8, 16, 32, 64, 128):
+            if bv <= K:
+                row[f"k3_bv{bv}_us"] = graph_time_us(lambda: decode.kda_decode_fused(
+                    q, k, v, fa, b, **args, block_v=bv, f_b_weight=f_b))
+        decode.DECODE_KERNEL = "fla"
+        row["fla_us"] = graph_time_us(lambda: decode.kda_decode(q, k, v, fa, b, **args, f_b_weight=f_b))
+        decode.DECODE_KERNEL = "k3"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    cols = [c for c in rows[0] if c.endswith("_us")]
+    print("\n| batch | " + " | ".join(c[:-3] for c in cols) + " |\n|---|" + "---|" * len(cols))
+    for r in rows:
+        print(f"| {r['batch']} | " + " | ".join(f"{r[c]:.1f} us" for c in cols) + " |")
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="B1-T8192-H96-D128,B8-T4096-H16-D128")
+    ap.add_argument("--decode", action="store_true", help="the decode step's kernels instead of the chunk kernel")
+    ap.add_argument("--decode-batches", default="1,8,32,64")
+    ap.add_argument("--heads", type=int, default=6, help="--decode: KDA heads (small: 6)")
+    ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kda needs a CUDA device")
+    if args.decode:
+        rows = bench_decode([int(b) for b in args.decode_batches.split(",")], args.heads, args.head_dim)
+        if args.json:
+            Path(args.json).write_text(json.dumps({**header(), "decode": rows}, indent=2))
+        return
     # fla autotunes on first use per (H, K): cuda_time_ms's warm-up calls absorb it, outside the timed loop
     rows = []
     for s in args.shapes.split(","):

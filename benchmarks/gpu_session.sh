@@ -3,7 +3,7 @@
 # cannot eat the others. Results land in $OUT, packed at the end into $OUT/gpu_session.tgz (JSON + logs) and
 # $OUT/autotune.tgz (fla's Triton autotuning results: extract into .tcache/ and carry it next time to skip it).
 #   usage (device tool, carrying .whl with fla-core, and .tcache if you have one): bash benchmarks/gpu_session.sh [steps...]
-#   one GPU:  tests serve decode train trainc profile memory cp kda packed quant qdecode post   (default: tests serve train cp)
+#   one GPU:  tests serve decode train trainc profile memory cp kda kdadec packed quant qdecode post   (default: tests serve train cp)
 #   2+ GPUs:  nccl flacp kcp scale             (the distributed suite over NCCL, fla CP vs KCP, multi-GPU throughput)
 #   T_TESTS=300 etc. (T_<STEP>, upper case) override a step's limit in seconds.
 #   TESTS replaces the tests step's test files (pytest arguments).
@@ -58,6 +58,8 @@ for s in $steps; do
     # decode through the engine alone, bf16 experts against packed MXFP4 (QUANT_ARGS, e.g. --decode-presets small,medium)
     qdecode) timeout ${T_QDECODE:-300} python3 benchmarks/bench_quant.py --sections decode ${QUANT_ARGS:-} --json "$L/bench_quant_decode.json" 2>&1 | tee "$L/bench_quant_decode.log" ;;
     post)   timeout ${T_POST:-590} python3 benchmarks/post_demo.py --preset small --device cuda --sft-steps 3000 --rl-steps 200 --max-tokens 1024 --tasks parity,sorting --difficulty parity=16,sorting=8 --out /tmp/k3-post 2>&1 | tee "$L/post_demo.log" ;;
+    # the KDA decode step's kernels alone: the fused kernel per V tile against the fla path, CUDA-graph timed
+    kdadec) timeout ${T_KDADEC:-120} python3 benchmarks/bench_kda.py --decode --json "$L/bench_kda_decode.json" 2>&1 | tee "$L/bench_kda_decode.log" ;;
     kda)    timeout ${T_KDA:-420} python3 benchmarks/bench_kda.py --json "$L/bench_kda.json" 2>&1 | tee "$L/bench_kda.log" ;;
     # the suite checks the distributed logic with the reference KDA kernels (no fla autotuning in every spawned
     # process: that alone outlasted the step's limit); fla's kernels under CP are the flacp step's
@@ -65,7 +67,7 @@ for s in $steps; do
     flacp)  timeout ${T_FLACP:-420} python3 -m pytest -q -s -p no:cacheprovider -W ignore tests/gpu/test_fla_cp.py 2>&1 | tee "$L/fla_cp_test.log" ;;
     kcp)    for r in 1 $NGPU; do timeout ${T_KCP:-300} $TR $r benchmarks/bench_kcp.py --json "$L/bench_kcp_r$r.json" 2>&1 | tee "$L/bench_kcp_r$r.log"; done ;;
     scale)  timeout ${T_SCALE:-540} python3 benchmarks/bench_scale.py --gpus $NGPU --json "$L/bench_scale.json" 2>&1 | tee "$L/bench_scale.log" ;;
-    *) echo "unknown step $s (tests serve decode train trainc profile memory cp kda packed quant qdecode post nccl flacp kcp scale)"; exit 2 ;;
+    *) echo "unknown step $s (tests serve decode train trainc profile memory cp kda kdadec packed quant qdecode post nccl flacp kcp scale)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/gpu_session.tgz" -C "$OUT" logs && rm -rf "$L"

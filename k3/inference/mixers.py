@@ -44,20 +44,21 @@ def release_pool(key: int) -> None:
 
 # ---- the decode kernels as custom ops ---------------------------------------------------------------------------
 @torch.library.custom_op("k3::kda_decode_paged", mutates_args=())
-def kda_decode_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
-                     w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor, A_log: torch.Tensor,
+def kda_decode_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f_a: torch.Tensor, f_b: torch.Tensor,
+                     b: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor, A_log: torch.Tensor,
                      dt_bias: torch.Tensor, index: torch.Tensor, pool_key: int, layer: int, gate_kind: str,
                      lower_bound: float, backend: str) -> torch.Tensor:
-    """q, k, v [B,H*K] pre-conv, f [B,H,K] raw gate input, b [B,H] raw beta, each read through its strides (slices
-    of the fused projection's output) -> o [B,H,V] (q's dtype); the KDA state and conv tails of KDA layer ``layer``
-    of each row (page ``index[b]``) are updated in place in the pool."""
+    """q, k, v [B,H*K] pre-conv, f_a [B,K] the gate's low-rank input and f_b [H*K,K] its second projection's
+    weight, b [B,H] raw beta, each read through its strides (slices of the fused projection's output) -> o [B,H,V]
+    (q's dtype); the KDA state and conv tails of KDA layer ``layer`` of each row (page ``index[b]``) are updated
+    in place in the pool."""
     pool = _POOLS[pool_key]
-    return kda_decode(q, k, v, f, b, (w_q, w_k, w_v), A_log, dt_bias, pool.kda_state(layer), pool.kda_conv(layer),
-                      index, gate_kind, lower_bound, backend=backend)
+    return kda_decode(q, k, v, f_a, b, (w_q, w_k, w_v), A_log, dt_bias, pool.kda_state(layer), pool.kda_conv(layer),
+                      index, gate_kind, lower_bound, backend=backend, f_b_weight=f_b)
 
 
 @kda_decode_paged.register_fake
-def _(q, k, v, f, b, w_q, w_k, w_v, A_log, dt_bias, index, pool_key, layer, gate_kind, lower_bound, backend):
+def _(q, k, v, f_a, f_b, b, w_q, w_k, w_v, A_log, dt_bias, index, pool_key, layer, gate_kind, lower_bound, backend):
     B, H = b.shape
     return q.new_empty(B, H, v.shape[-1] // H)
 
@@ -92,9 +93,9 @@ class DecodeMixer:
         return self._mla(layer.self_attn, self.mla_slot[layer.layer_idx], x)
 
     def _kda(self, attn, slot: int, x: torch.Tensor) -> torch.Tensor:
-        q, k, v, f, b, gate = attn.projections(x)  # [B,1,HK] x3, [B,1,H,K], [B,1,H], [B,1,HK]
+        q, k, v, fa, b, gate = attn.projections(x, project_f=False)  # [B,1,HK] x3, [B,1,K], [B,1,H], [B,1,HK]
         o = torch.ops.k3.kda_decode_paged(
-            q[:, 0], k[:, 0], v[:, 0], f[:, 0], b[:, 0], attn.q_conv1d.weight, attn.k_conv1d.weight,
+            q[:, 0], k[:, 0], v[:, 0], fa[:, 0], attn.f_b_proj.weight, b[:, 0], attn.q_conv1d.weight, attn.k_conv1d.weight,
             attn.v_conv1d.weight, attn.A_log, attn.dt_bias, self.kda_index[:, slot // self.per_page], self.pool_key,
             slot, attn.gate_kind, float(attn.lower_bound), attn.backend)
         return attn.output(o[:, None], gate)

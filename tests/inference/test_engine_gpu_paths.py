@@ -38,10 +38,11 @@ def gpu_paths(monkeypatch):
 
     calls = {"kda": 0, "mla": 0}
 
-    def kda_decode(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind, lower_bound, backend):
+    def kda_decode(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind, lower_bound, backend,
+                   f_b_weight):
         calls["kda"] += 1
         return kda_decode_fused(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind,
-                                lower_bound)
+                                lower_bound, f_b_weight=f_b_weight)
 
     def mla_decode_append(q_lat, q_pe, latent, cache, page_table, positions, scale):
         calls["mla"] += 1

@@ -91,9 +91,11 @@ class KimiDeltaAttention(nn.Module):
     # The token mixer in three pieces, so that inference (paged, in-place state) and context parallelism
     # (halo'd convs, KCP) supply only the short convs and the recurrence: projections -> [convs] ->
     # activations -> [kernel] -> output.
-    def projections(self, x: torch.Tensor):
+    def projections(self, x: torch.Tensor, project_f: bool = True):
         """x [B,T,D] -> q, k, v before their short convs [B,T,H*K] each, the gate's raw input f [B,T,H,K]
-        (before A_log and dt_bias), the raw beta logits b [B,T,H] and the output gate's logits [B,T,H*K]."""
+        (before A_log and dt_bias), the raw beta logits b [B,T,H] and the output gate's logits [B,T,H*K].
+        ``project_f=False``: f is the gate's low-rank input f_a [B,T,K] instead (the decode kernel applies
+        ``f_b_proj`` itself)."""
         B, T, _ = x.shape
         if use_fused(self.in_proj):  # inference: one matmul for every projection of x
             q, k, v, fa, b, g = F.linear(x, self.in_proj).split(self._in_sizes, dim=-1)
@@ -102,6 +104,8 @@ class KimiDeltaAttention(nn.Module):
             g = self.g_proj(x) if hasattr(self, "g_proj") else self.g_a_proj(x)
         if not hasattr(self, "g_proj"):  # Kimi Linear's low-rank output gate
             g = self.g_b_proj(g)
+        if not project_f:
+            return q, k, v, fa, b, g
         return q, k, v, self.f_b_proj(fa).view(B, T, self.num_heads, self.head_dim), b, g
 
     def activations(self, q, k, v, f, b):

@@ -58,10 +58,14 @@ def conv_decode_reference(x3: torch.Tensor, weights, conv: torch.Tensor, index: 
 
 def kda_decode_reference(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index,
                          gate_kind: str = "lower_bound", lower_bound: float = -5.0,
-                         scale: float | None = None) -> torch.Tensor:
-    """See the module docstring: q, k, v [B,H*K] pre-conv, f [B,H,K], b [B,H] (any strides); returns o [B,H,V] in
-    q's dtype. ``index`` [B] long."""
-    B, H, K = f.shape
+                         scale: float | None = None, f_b_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """See the module docstring: q, k, v [B,H*K] pre-conv, f [B,H,K] (or, with ``f_b_weight`` [H*K,RF], the
+    gate's low-rank input f_a [B,RF], and f = f_b(f_a)), b [B,H] (any strides); returns o [B,H,V] in q's dtype.
+    ``index`` [B] long."""
+    B, H = b.shape
+    K = q.shape[-1] // H
+    if f_b_weight is not None:
+        f = F.linear(f, f_b_weight).view(B, H, K)
     y = conv_decode_reference(torch.stack([q, k, v], dim=1), conv_weights, conv, index)  # [B,3,HK] fp32
     qn, kn = l2_norm(y[:, 0].view(B, 1, H, K)), l2_norm(y[:, 1].view(B, 1, H, K))
     vy = y[:, 2].view(B, 1, H, K)
@@ -80,34 +84,40 @@ def _wants_reference(backend: str, x: torch.Tensor) -> bool:
 
 
 def kda_decode(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind: str = "lower_bound",
-               lower_bound: float = -5.0, scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+               lower_bound: float = -5.0, scale: float | None = None, backend: str = "auto",
+               f_b_weight: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step, in place; same arguments as ``kda_decode_reference``. Which kernels run: see the module
     docstring (``DECODE_KERNEL`` on CUDA, the reference elsewhere or with backend "torch")."""
     args = (q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind, lower_bound, scale)
     if _wants_reference(backend, q):
-        return kda_decode_reference(*args)
+        return kda_decode_reference(*args, f_b_weight=f_b_weight)
     if DECODE_KERNEL == "k3":
         from ..mla_decode import triton_available
 
-        return kda_decode_fused(*args) if triton_available() else kda_decode_reference(*args)
+        if triton_available():
+            return kda_decode_fused(*args, f_b_weight=f_b_weight)
+        return kda_decode_reference(*args, f_b_weight=f_b_weight)
     if DECODE_KERNEL == "fla":
         if not fla_available(q):
             raise RuntimeError("k3.ops.kda.decode.DECODE_KERNEL = 'fla' runs fla-core's fused recurrent kernel, "
                                "which does not import here: pip install 'k3[gpu]', or set it to 'k3'")
-        return _kda_decode_fla(*args)
+        if f_b_weight is not None:
+            f = F.linear(f, f_b_weight).view(b.shape[0], b.shape[1], -1)
+        return _kda_decode_fla(q, k, v, f, *args[4:])
     raise ValueError(f"k3.ops.kda.decode.DECODE_KERNEL = {DECODE_KERNEL!r}; expected one of {DECODE_KERNELS}")
 
 
 def kda_decode_fused(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind: str = "lower_bound",
                      lower_bound: float = -5.0, scale: float | None = None, block_v: int | None = None,
-                     num_warps: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, f_b_weight: torch.Tensor | None = None) -> torch.Tensor:
     """The whole decode step as one Triton kernel launch (arguments as ``kda_decode_reference``; the tensors are
-    read through their strides, nothing is copied). ``block_v``, ``num_warps``: the kernel's V tile and warps
-    (defaults in ``_decode_triton.kda_decode_launch``). Returns o [B,H,V] in q's dtype."""
+    read through their strides, nothing is copied; with ``f_b_weight`` and at most ``FUSE_GATE_ROWS`` rows the
+    gate's second projection runs inside the kernel too). ``block_v``, ``num_warps``: the kernel's V tile and
+    warps (defaults in ``_decode_triton.kda_decode_launch``). Returns o [B,H,V] in q's dtype."""
     from ._decode_triton import kda_decode_launch
 
     return kda_decode_launch(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind, lower_bound,
-                             scale, block_v, num_warps)
+                             scale, block_v, num_warps, f_b_weight)
 
 
 def _kda_decode_fla(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind, lower_bound, scale):

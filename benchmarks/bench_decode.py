@@ -3,7 +3,7 @@ PyTorch dense model of the same width under CUDA graphs, in one run.
 
     python benchmarks/bench_decode.py [--preset small] [--batches 1,8,32,64] [--context 2048]
         [--long-contexts 8192,32768,131072] [--long-batch 8] [--prefix 65536] [--steps 40]
-        [--sections k3,mla,peer,ttft,eager,sync] [--kda-decode k3,fla] [--profile] [--json out.json]
+        [--sections k3,mla,peer,ttft,eager,sync] [--profile] [--json out.json]
 
 k3: ``batch`` requests of ``context`` random prompt tokens are prefilled through the engine, then ``steps`` engine
 steps are timed (tokens/s = batch / step time; the step is the engine's whole step: scheduling, input copies,
@@ -15,10 +15,6 @@ its KV cache as static buffers, ``torch.compile``d and captured as a CUDA graph 
 Bytes/s: the weights a step must read (every non-expert weight, the LM head, and the experts the batch can
 reach: min(E, B*k) of E per layer) plus the cache it reads (MLA latents) and reads + writes (KDA states), over
 the step time, against the H200's ~4.3 TB/s.
-KDA decode kernels (``--kda-decode``, ``k3.ops.kda.decode.DECODE_KERNEL``): "k3" our one fused kernel per KDA layer,
-"fla" our short-conv kernel + fla-core's fused recurrence (with the stack of q/k/v and b's copy: four launches).
-Every section runs with the first one listed; the hybrid's rows at every batch run again, on a fresh engine (its
-graphs captured anew), with each further one, and every k3 row carries ``kda_decode``: an A/B in one run.
 """
 
 from __future__ import annotations
@@ -41,7 +37,6 @@ from k3.data.tokenizer import train_tokenizer  # noqa: E402
 from k3.inference.api import GenerationRequest, SamplingParams  # noqa: E402
 from k3.inference.engine import Engine, EngineConfig  # noqa: E402
 from k3.inference.pool import PageLayout  # noqa: E402
-from k3.ops.kda import decode as kda_decode  # noqa: E402
 
 HBM = 4.3e12  # bytes/s, the H200's measured device-to-device copy rate
 
@@ -268,18 +263,11 @@ def main():
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--prefix", type=int, default=65536)
     ap.add_argument("--sections", default="k3,mla,peer,ttft,eager,sync")
-    ap.add_argument("--kda-decode", default="k3",
-                    help="KDA decode kernels, comma-separated, from " + ",".join(kda_decode.DECODE_KERNELS) + ": the "
-                    "first for every section, each further one for the hybrid's batch rows again (A/B)")
-    ap.add_argument("--profile", action="store_true", help="torch.profiler table of a step at batch 1 and the largest")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler table of a step at the first and the last "
+                    "of --batches")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    kernels = args.kda_decode.split(",")
-    if not kernels or any(k not in kda_decode.DECODE_KERNELS for k in kernels):
-        ap.error(f"--kda-decode {args.kda_decode!r}: expected kernels from {kda_decode.DECODE_KERNELS}, "
-                 "comma-separated")
-    kda_decode.DECODE_KERNEL = kernels[0]
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     sections = set(args.sections.split(","))
@@ -290,8 +278,6 @@ def main():
     rows, t_start = [], time.perf_counter()
 
     def record(row):
-        if "hybrid" in row["model"]:  # which KDA decode kernels ran (all-MLA and the peer have none)
-            row["kda_decode"] = kda_decode.DECODE_KERNEL
         row["elapsed_s"] = round(time.perf_counter() - t_start, 1)
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -334,19 +320,6 @@ def main():
                     "cached_tokens": cached, "speedup": miss / hit, "profiles": profiles})
         eng.stop()
         del eng
-    for kernel in kernels[1:] if "k3" in sections else []:  # the A/B: the same rows with another KDA decode kernel
-        kda_decode.DECODE_KERNEL = kernel
-        eng = build_engine(base, dev, dtype, tok, max(batches) * (args.context + args.steps + 16), max(batches))
-        for B in batches:
-            rate, dt, top, spread = decode_rate(eng, args.context, B, args.steps,
-                                                args.profile and B in (batches[0], batches[-1]))
-            gb = step_bytes(eng.model, eng.layout, B, args.context) / dt
-            record({"model": "k3 hybrid", "batch": B, "context": args.context, "tokens_per_s": rate,
-                    "step_ms": dt * 1e3, "step_spread_ms": spread, "bytes_per_s": gb, "of_hbm": gb / HBM,
-                    "profile": top})
-        eng.stop()
-        del eng
-    kda_decode.DECODE_KERNEL = kernels[0]
     if "mla" in sections and longs:
         eng = build_engine(base.variant(layers="all-mla"), dev, dtype, tok,
                            args.long_batch * (max(longs) + args.steps + 16), args.long_batch)
@@ -381,40 +354,30 @@ def main():
                                             base.num_hidden_layers)})
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    summarise(rows, args, kernels[0])
+    summarise(rows, args)
     if args.json:
         Path(args.json).write_text(json.dumps({**header(), "preset": args.preset, "rows": rows}, indent=2))
 
 
-def summarise(rows, args, kernel: str):
-    """The table, then k3 / peer and hybrid / all-MLA ratios (with the first KDA decode kernel), then the A/B of
-    the others against it."""
-    print("\n| model | KDA decode | batch | context | tokens/s | step ms | step min / median / max ms | "
-          "bytes/s (of 4.3 TB/s) |\n|---|---|---|---|---|---|---|---|")
+def summarise(rows, args):
+    """The table, then k3 / peer and hybrid / all-MLA ratios."""
+    print("\n| model | batch | context | tokens/s | step ms | step min / median / max ms | bytes/s (of 4.3 TB/s) |\n"
+          "|---|---|---|---|---|---|---|")
     for r in rows:
         if "tokens_per_s" in r:
             bw = f"{r['bytes_per_s'] / 1e12:.2f} TB/s ({r['bytes_per_s'] / HBM:.0%})" if "bytes_per_s" in r else ""
             sp = r.get("step_spread_ms")
             spread = f"{sp['min']:.3f} / {sp['median']:.3f} / {sp['max']:.3f}" if sp else ""
-            print(f"| {r['model']} | {r.get('kda_decode', '')} | {r['batch']} | {r['context']:,} | "
-                  f"{r['tokens_per_s']:,.0f} | {r.get('step_ms', float('nan')):.3f} | {spread} | {bw} |")
-    by_kernel = {}
-    for r in rows:
-        if r.get("model") == "k3 hybrid" and "batch" in r:
-            by_kernel.setdefault(r["kda_decode"], {})[(r["batch"], r["context"])] = r["tokens_per_s"]
-    k3 = by_kernel.get(kernel, {})
-    for other, rates in by_kernel.items():
-        for key, rate in rates.items():
-            if other != kernel and key in k3:
-                print(f"KDA decode {other} / {kernel} at batch {key[0]}, context {key[1]:,}: {rate / k3[key]:.2f}x")
+            print(f"| {r['model']} | {r['batch']} | {r['context']:,} | {r['tokens_per_s']:,.0f} | "
+                  f"{r.get('step_ms', float('nan')):.3f} | {spread} | {bw} |")
+    k3 = {(r["batch"], r["context"]): r["tokens_per_s"] for r in rows if r.get("model") == "k3 hybrid" and "batch" in r}
     peer = {r["batch"]: r["tokens_per_s"] for r in rows if r.get("model") == "dense peer"}
     mla = {r["context"]: r for r in rows if r.get("model") == "k3 all-MLA"}
     for B, p in peer.items():
         if (B, args.context) in k3:
             print(f"k3 / dense peer at batch {B}: {k3[(B, args.context)] / p:.2f}x")
     for ctx, r in mla.items():
-        hy = next((x for x in rows if x.get("model") == "k3 hybrid" and x.get("context") == ctx
-                   and x["kda_decode"] == kernel), None)
+        hy = next((x for x in rows if x.get("model") == "k3 hybrid" and x.get("context") == ctx), None)
         if hy:
             print(f"context {ctx:,}: hybrid / all-MLA tokens/s {hy['tokens_per_s'] / r['tokens_per_s']:.2f}x, cache "
                   f"{hy['cache_bytes_per_request'] / r['cache_bytes_per_request']:.0%} of all-MLA's")

@@ -1,8 +1,10 @@
 """KDA kernels (SPEC §2.1). The chunk kernel: our pure-torch reference vs fla-core's Triton chunk_kda, with flash
 SDPA causal attention at the same shapes as the peer; forward and forward+backward, bf16 inputs, gates in (-5, 0).
-The decode step (``--decode``): our one fused kernel at several V tiles against the "fla" path (our conv kernel +
-fla-core's fused recurrence), on the engine's layout (q, k, v, f_a, b slices of one projection row, states in a
-strided pool), each timed as a CUDA graph of 20 calls (kernel time without Python's launch cost).
+The decode step (``--decode``): our one fused kernel (short convs, gate projection, norms, gate, beta, the state
+step) at several V tiles, on the engine's layout (q, k, v, f_a, b slices of one projection row, states in a
+strided pool), against fla-core's ``fused_recurrent_kda`` with state indices for the part it covers (norms, gate,
+beta and the step, from contiguous post-conv q, k, v and a projected f: no convs, no gate projection). Each is
+timed as a CUDA graph of 20 calls (kernel time without Python's launch cost).
 
     python benchmarks/bench_kda.py [--shapes B1-T8192-H96-D128,B8-T4096-H16-D128] [--json out.json]
     python benchmarks/bench_kda.py --decode [--decode-batches 1,8,32,64] [--heads 6] [--head-dim 128]
@@ -78,8 +80,10 @@ def graph_time_us(fn, calls: int = 20) -> float:
 
 
 def bench_decode(batches, H, K, RF=None, W=4):
-    """One decode step of one KDA layer: the fused kernel at each V tile, and the fla path, per batch."""
-    from k3.ops.kda import decode
+    """One decode step of one KDA layer: the fused kernel at each V tile, and fla-core's recurrence, per batch."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    from k3.ops.kda.decode import kda_decode_fused
 
     RF = RF or K
     HK, rows = H * K, []
@@ -97,11 +101,14 @@ def bench_decode(batches, H, K, RF=None, W=4):
         row = {"batch": B, "heads": H, "head_dim": K}
         for bv in (8, 16, 32, 64, 128):
             if bv <= K:
-                row[f"k3_bv{bv}_us"] = graph_time_us(lambda: decode.kda_decode_fused(
+                row[f"k3_bv{bv}_us"] = graph_time_us(lambda: kda_decode_fused(
                     q, k, v, fa, b, **args, block_v=bv, f_b_weight=f_b))
-        decode.DECODE_KERNEL = "fla"
-        row["fla_us"] = graph_time_us(lambda: decode.kda_decode(q, k, v, fa, b, **args, f_b_weight=f_b))
-        decode.DECODE_KERNEL = "k3"
+        qc, kc, vc = (x.reshape(B, 1, H, K).contiguous() for x in (q, k, v))
+        g, beta = torch.randn(B, 1, H, K, device="cuda", dtype=torch.bfloat16), b.reshape(B, 1, H).contiguous()
+        row["fla_recurrence_us"] = graph_time_us(lambda: fused_recurrent_kda_fwd(
+            q=qc, k=kc, v=vc, g=g, out=torch.empty_like(vc), beta=beta, A_log=args["A_log"], dt_bias=args["dt_bias"],
+            scale=None, initial_state=args["state"], inplace_final_state=True, ssm_state_indices=args["index"],
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0))
         rows.append(row)
         print(json.dumps(row), flush=True)
     cols = [c for c in rows[0] if c.endswith("_us")]

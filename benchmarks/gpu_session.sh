@@ -8,7 +8,7 @@
 #   T_TESTS=300 etc. (T_<STEP>, upper case) override a step's limit in seconds.
 #   TESTS replaces the tests step's test files (pytest arguments).
 #   TRAIN_ARGS replaces trainc's extra bench_train arguments (default: --memory-policy efficient).
-#   DECODE_ARGS adds bench_decode arguments (e.g. --sections k3,ttft,peer --kda-decode k3,fla); QUANT_ARGS adds
+#   DECODE_ARGS adds bench_decode arguments (e.g. --sections k3,ttft,peer --batches 1,32); QUANT_ARGS adds
 #   bench_quant arguments (e.g. --decode-presets small,medium).
 set -u
 OUT=${OUT:-/tmp/k3-gpu}
@@ -58,7 +58,7 @@ for s in $steps; do
     # decode through the engine alone, bf16 experts against packed MXFP4 (QUANT_ARGS, e.g. --decode-presets small,medium)
     qdecode) timeout ${T_QDECODE:-300} python3 benchmarks/bench_quant.py --sections decode ${QUANT_ARGS:-} --json "$L/bench_quant_decode.json" 2>&1 | tee "$L/bench_quant_decode.log" ;;
     post)   timeout ${T_POST:-590} python3 benchmarks/post_demo.py --preset small --device cuda --sft-steps 3000 --rl-steps 200 --max-tokens 1024 --tasks parity,sorting --difficulty parity=16,sorting=8 --out /tmp/k3-post 2>&1 | tee "$L/post_demo.log" ;;
-    # the KDA decode step's kernels alone: the fused kernel per V tile against the fla path, CUDA-graph timed
+    # the KDA decode step's kernels alone: the fused kernel per V tile against fla-core's recurrence, CUDA-graph timed
     kdadec) timeout ${T_KDADEC:-120} python3 benchmarks/bench_kda.py --decode --json "$L/bench_kda_decode.json" 2>&1 | tee "$L/bench_kda_decode.log" ;;
     kda)    timeout ${T_KDA:-420} python3 benchmarks/bench_kda.py --json "$L/bench_kda.json" 2>&1 | tee "$L/bench_kda.log" ;;
     # the suite checks the distributed logic with the reference KDA kernels (no fla autotuning in every spawned

@@ -11,8 +11,8 @@ R kv_lora_rank, Dr rope dim, Tp tokens per page.
   mask aligned to the bottom right.
 - ``DecodeMixer``: one token per row. KDA layers update their states IN PLACE (``k3::kda_decode_paged``: the
   short convs' tails and the recurrent state, in the pool, nothing copied; on CUDA one fused kernel that reads
-  q, k, v, f and b as the projection's slices); MLA layers write the new latent into its page and attend over
-  the pages in place through the page table (``k3::mla_decode_paged``). Both are registered as torch custom
+  q, k, v, f_a and b as the projection's slices and applies the gate's second projection itself); MLA layers
+  write the new latent into its page and attend over the pages in place through the page table (``k3::mla_decode_paged``). Both are registered as torch custom
   ops that find the pool by key, so ``torch.compile`` treats them as opaque kernels and the pool never becomes
   a graph input (the same device buffers serve every CUDA-graph replay).
 """

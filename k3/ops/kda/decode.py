@@ -2,7 +2,8 @@
 
 Legend: B rows, H heads, K = V head dim, W conv width, P pages (state slots). ``state`` [P,H,K,V] fp32 and
 ``conv`` [P,3,H*K,W-1] are strided views of the engine's page pool; row b's state is slot ``index[b]``.
-Per row, from the pre-conv projections q, k, v [H*K] each, the raw gate input f [H,K] and the raw beta logit b [H]:
+Per row, from the pre-conv projections q, k, v [H*K] each, the raw gate input f [H,K] (or its low-rank input f_a
+[RF] and f_b [H*K,RF], f = f_b f_a) and the raw beta logit b [H]:
 
     y = SiLU(conv(tail ++ x)),  tail <- last W-1 inputs        (the short convs, q/k/v)
     q, k = L2Norm(y_q), L2Norm(y_k) per head;  v = y_v;  g = gate(f);  beta = sigmoid(b)
@@ -11,19 +12,19 @@ Per row, from the pre-conv projections q, k, v [H*K] each, the raw gate input f 
 and both the tail and S are written back into the same slot.
 
 - ``kda_decode_reference``: gathers the slots, runs ``reference.recurrent_kda``, scatters back (CPU; oracle).
-- ``kda_decode_fused``: all of it in ONE Triton kernel (``_decode_triton._kda_decode_kernel``): q, k, v, f and b
-  read in place from their strided slices of the fused projection, convs, norms, gate, beta and the state step
-  in registers, tails and state written back in place. Needs Triton only (not fla-core).
-- ``_kda_decode_fla`` (the A/B alternative, ``DECODE_KERNEL = "fla"``): our Triton short-conv kernel (tails in
-  place), then fla-core's ``fused_recurrent_kda`` with state indices (``ssm_state_indices``, in-place final
-  state), which applies the L2 norms, the gate and the beta sigmoid inside; around them a ``torch.stack`` of q,
-  k, v and a contiguous copy of b (fla indexes its inputs as contiguous tensors): four launches against one.
+- ``kda_decode_fused``: all of it in ONE Triton kernel (``_decode_triton._kda_decode_kernel``), one program per
+  (row, head, block of 32 V columns): q, k, v, f_a and b read in place from their strided slices of the fused
+  projection, the gate's second projection (up to 8 rows), convs, norms, gate, beta and the state step in
+  registers, tails and state written back in place. Needs Triton only (not fla-core). Against fla-core's fused
+  recurrence behind our own conv kernel (four launches: a stack of q/k/v, the convs, a copy of b, the
+  recurrence), the one kernel took 5.9 / 7.1 / 13.8 / 18.8 us per layer at 1 / 8 / 32 / 64 rows against 9.2 /
+  12.7 / 18.8 / 26.1 (``benchmarks/RESULTS.md``), so that path is gone.
 
 ``kda_decode`` picks: the reference when the KDA backend resolves to "torch" by request (``backend="torch"`` or
 ``K3_KDA_BACKEND=torch``: the exact path the distributed tests compare against) or the tensors are not on CUDA
-in a kernel dtype (bf16, fp16, fp32); otherwise the kernel named by ``DECODE_KERNEL``. The fused kernel does
-not depend on fla-core, so "auto" takes it on CUDA even where fla-core does not import (where ``resolve_backend``
-says "torch" only because prefill's chunked kernel is missing); "fla" needs fla-core and says so if it is absent.
+in a kernel dtype (bf16, fp16, fp32) or Triton does not import; otherwise the fused kernel. It does not depend
+on fla-core, so "auto" takes it on CUDA even where fla-core does not import (where ``resolve_backend`` says
+"torch" only because prefill's chunked kernel is missing).
 """
 
 from __future__ import annotations
@@ -33,17 +34,10 @@ import torch.nn.functional as F
 
 from ..norms import l2_norm
 from . import reference
-from .fla import FLA_DTYPES, fla_available
+from .fla import FLA_DTYPES
 from .gate import kda_gate
 
-__all__ = ["kda_decode", "kda_decode_reference", "kda_decode_fused", "conv_decode_reference", "DECODE_KERNEL",
-           "DECODE_KERNELS"]
-
-DECODE_KERNELS = ("k3", "fla")
-# which CUDA kernels run a decode step: "k3" our one fused kernel, "fla" our conv kernel + fla-core's recurrence
-# (kept for A/B measurements: benchmarks/bench_decode.py --kda-decode). Read at every call; a CUDA graph keeps
-# what was chosen when it was captured.
-DECODE_KERNEL = "k3"
+__all__ = ["kda_decode", "kda_decode_reference", "kda_decode_fused", "conv_decode_reference"]
 
 
 def conv_decode_reference(x3: torch.Tensor, weights, conv: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -86,25 +80,16 @@ def _wants_reference(backend: str, x: torch.Tensor) -> bool:
 def kda_decode(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind: str = "lower_bound",
                lower_bound: float = -5.0, scale: float | None = None, backend: str = "auto",
                f_b_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """One decode step, in place; same arguments as ``kda_decode_reference``. Which kernels run: see the module
-    docstring (``DECODE_KERNEL`` on CUDA, the reference elsewhere or with backend "torch")."""
+    """One decode step, in place; same arguments as ``kda_decode_reference``. Which kernel runs: see the module
+    docstring (the fused kernel on CUDA, the reference elsewhere or with backend "torch")."""
     args = (q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind, lower_bound, scale)
     if _wants_reference(backend, q):
         return kda_decode_reference(*args, f_b_weight=f_b_weight)
-    if DECODE_KERNEL == "k3":
-        from ..mla_decode import triton_available
+    from ..mla_decode import triton_available
 
-        if triton_available():
-            return kda_decode_fused(*args, f_b_weight=f_b_weight)
-        return kda_decode_reference(*args, f_b_weight=f_b_weight)
-    if DECODE_KERNEL == "fla":
-        if not fla_available(q):
-            raise RuntimeError("k3.ops.kda.decode.DECODE_KERNEL = 'fla' runs fla-core's fused recurrent kernel, "
-                               "which does not import here: pip install 'k3[gpu]', or set it to 'k3'")
-        if f_b_weight is not None:
-            f = F.linear(f, f_b_weight).view(b.shape[0], b.shape[1], -1)
-        return _kda_decode_fla(q, k, v, f, *args[4:])
-    raise ValueError(f"k3.ops.kda.decode.DECODE_KERNEL = {DECODE_KERNEL!r}; expected one of {DECODE_KERNELS}")
+    if triton_available():
+        return kda_decode_fused(*args, f_b_weight=f_b_weight)
+    return kda_decode_reference(*args, f_b_weight=f_b_weight)
 
 
 def kda_decode_fused(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind: str = "lower_bound",
@@ -118,23 +103,3 @@ def kda_decode_fused(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, i
 
     return kda_decode_launch(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind, lower_bound,
                              scale, block_v, num_warps, f_b_weight)
-
-
-def _kda_decode_fla(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind, lower_bound, scale):
-    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-
-    from ._decode_triton import conv_decode
-
-    B, H, K = f.shape
-    y = conv_decode(torch.stack([q, k, v], dim=1), conv_weights, conv, index)  # [3,B,HK] in q's dtype, planes
-    v = y[2].view(B, 1, H, K)
-    # fla's kernel indexes every input as a contiguous [B,T,H,...] tensor (its raw forward, unlike its autograd
-    # wrapper, does not make them so): the engine's b (and f, if it were one) is a column slice of the fused
-    # projection's output
-    f, b = f.reshape(B, 1, H, K).contiguous(), b.reshape(B, 1, H).contiguous()
-    o, _ = fused_recurrent_kda_fwd(
-        q=y[0].view(B, 1, H, K), k=y[1].view(B, 1, H, K), v=v, g=f, out=torch.empty_like(v), beta=b, A_log=A_log,
-        dt_bias=dt_bias, scale=scale, initial_state=state, inplace_final_state=True, ssm_state_indices=index,
-        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-        lower_bound=lower_bound if gate_kind == "lower_bound" else None)
-    return o[:, 0]

@@ -71,16 +71,21 @@ def decode_rate(engine, context: int, batch: int, steps: int, profile: bool = Fa
         engine.step()
     sync(engine.device)
     t0 = time.perf_counter()
-    marks = []
+    marks, events = [], [host_events(engine)]
     for _ in range(steps):
         engine.step()
         marks.append(time.perf_counter())
+        events.append(host_events(engine))
     sync(engine.device)
     dt = (time.perf_counter() - t0) / steps
     # host time between step returns (asynchronous scheduling: a step returns once its successor is launched), to
-    # tell a uniformly slow step from a few slow ones
-    each = sorted(b - a for a, b in zip([t0] + marks[:-1], marks))
-    spread = {"min": each[0] * 1e3, "median": each[len(each) // 2] * 1e3, "max": each[-1] * 1e3}
+    # tell a uniformly slow step from a few slow ones; for the slowest, what happened during it
+    each = [b - a for a, b in zip([t0] + marks[:-1], marks)]
+    worst = max(range(steps), key=each.__getitem__)
+    s_each = sorted(each)
+    spread = {"min": s_each[0] * 1e3, "median": s_each[len(s_each) // 2] * 1e3, "max": s_each[-1] * 1e3,
+              "slowest_step": worst, "during_slowest": {k: events[worst + 1][k] - events[worst][k]
+                                                        for k in events[0] if events[worst + 1][k] != events[worst][k]}}
     top = None
     if profile:
         top = profile_step(engine)
@@ -89,6 +94,26 @@ def decode_rate(engine, context: int, batch: int, steps: int, profile: bool = Fa
     while engine.has_work:
         engine.step()
     return batch / dt, dt, top, spread
+
+
+def host_events(engine) -> dict:
+    """Running counts of what can stall a step on the host: CUDA graphs captured, dynamo compilations, garbage
+    collections, allocator cudaMalloc retries and segments, preemptions, prefix-cache pages written to the host."""
+    import gc
+
+    from torch._dynamo.utils import counters
+
+    r = engine.runner
+    out = {"graphs": len(getattr(r, "_graphs", {})) + len(getattr(r, "_sample_graphs", {})),
+           "dynamo_graphs": sum(counters["stats"].values()) if "stats" in counters else 0,
+           "gc": sum(g["collections"] for g in gc.get_stats()), "preemptions": engine.scheduler.preemptions}
+    if engine.device.type == "cuda":
+        m = torch.cuda.memory_stats(engine.device)
+        out.update(alloc_retries=m.get("num_alloc_retries", 0), segments=m.get("segment.all.allocated", 0),
+                   device_syncs=m.get("num_sync_all_streams", 0))
+    if engine.prefix is not None and engine.prefix.host is not None:
+        out["host_pages"] = engine.prefix.host.pages_in_use
+    return out
 
 
 def profile_step(engine, n: int = 3) -> dict:
@@ -368,6 +393,8 @@ def summarise(rows, args):
             bw = f"{r['bytes_per_s'] / 1e12:.2f} TB/s ({r['bytes_per_s'] / HBM:.0%})" if "bytes_per_s" in r else ""
             sp = r.get("step_spread_ms")
             spread = f"{sp['min']:.3f} / {sp['median']:.3f} / {sp['max']:.3f}" if sp else ""
+            if sp and sp["max"] > 5 * sp["median"]:
+                spread += f" (slowest: step {sp['slowest_step']}, during it {sp['during_slowest'] or 'nothing counted'})"
             print(f"| {r['model']} | {r['batch']} | {r['context']:,} | {r['tokens_per_s']:,.0f} | "
                   f"{r.get('step_ms', float('nan')):.3f} | {spread} | {bw} |")
     k3 = {(r["batch"], r["context"]): r["tokens_per_s"] for r in rows if r.get("model") == "k3 hybrid" and "batch" in r}

@@ -214,7 +214,7 @@ def decode(args, dev) -> list[dict]:
             pack_experts(model)
         # graphs only up to the batch measured (capturing every bucket to 256 twice outlasted a 150 s step)
         engine = Engine(model, tok, EngineConfig(num_pages=256, page_tokens=1024, hash_block=512,
-                                                 max_batch=args.decode_batch))
+                                                 max_batch=args.decode_batch, compile=not args.no_decode_compile))
         prompts = [[5 + i, 6, 7, 8] * 16 for i in range(args.decode_batch)]
         params = SamplingParams(max_tokens=args.decode_tokens, temperature=0)
         engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0))  # warm-up (Triton compiles)
@@ -224,6 +224,7 @@ def decode(args, dev) -> list[dict]:
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         out.append({"preset": preset, "experts": "packed MXFP4" if packed else "bf16", "batch": args.decode_batch,
+                    "compiled": not args.no_decode_compile,
                     "tokens_per_s": args.decode_batch * args.decode_tokens / dt, "memory": memory_summary(model)})
         print(json.dumps(out[-1]), flush=True)
         del engine, model
@@ -255,6 +256,8 @@ def main():
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--decode-presets", default="small", help="comma list of the presets whose decode is measured, "
                     "each bf16 then packed (e.g. small,medium)")
+    ap.add_argument("--no-decode-compile", action="store_true", help="decode graphs of the eager forward (no "
+                    "torch.compile: minutes less per engine for a large preset; bf16 and packed alike)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

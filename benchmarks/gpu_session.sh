@@ -54,10 +54,10 @@ for s in $steps; do
     packed) timeout ${T_PACKED:-300} python3 benchmarks/bench_packed.py --ops mla,conv --batches 3 --json "$L/bench_packed.json" 2>&1 | tee "$L/bench_packed.log" ;;
     # MXFP4 experts: the packed-path GPU tests, then the packed grouped matmul and decode against bf16
     quant)  timeout ${T_QUANT:-480} bash -c "python3 -m pytest -q -p no:cacheprovider -W ignore tests/gpu/test_quant.py tests/ops/test_mx.py; python3 benchmarks/bench_quant.py --sections gpu,memory ${QUANT_ARGS:-} --json $L/bench_quant.json" 2>&1 | tee "$L/bench_quant.log" ;;
-    # post-training on small: SFT -> RL per effort -> MOPD -> partial rollout timing (issue 17's GPU run)
     # decode through the engine alone, bf16 experts against packed MXFP4 (QUANT_ARGS, e.g. --decode-presets medium
     # --no-decode-compile: compiling two medium engines outlasted 200 s)
     qdecode) timeout ${T_QDECODE:-300} python3 benchmarks/bench_quant.py --sections decode ${QUANT_ARGS:-} --json "$L/bench_quant_decode.json" 2>&1 | tee "$L/bench_quant_decode.log" ;;
+    # post-training on small: SFT -> RL per effort -> MOPD -> partial rollout timing (issue 17's GPU run)
     post)   timeout ${T_POST:-590} python3 benchmarks/post_demo.py --preset small --device cuda --sft-steps 3000 --rl-steps 200 --max-tokens 1024 --tasks parity,sorting --difficulty parity=16,sorting=8 --out /tmp/k3-post 2>&1 | tee "$L/post_demo.log" ;;
     # the KDA decode step's kernels alone: the fused kernel per V tile against fla-core's recurrence, CUDA-graph timed
     kdadec) timeout ${T_KDADEC:-120} python3 benchmarks/bench_kda.py --decode --json "$L/bench_kda_decode.json" 2>&1 | tee "$L/bench_kda_decode.log" ;;

@@ -62,7 +62,9 @@ def build_engine(cfg, device, dtype, tok, tokens_needed: int, max_batch: int, gr
 def decode_rate(engine, context: int, batch: int, steps: int, profile: bool = False):
     g = torch.Generator().manual_seed(context + batch)
     V = engine.model.config.vocab_size
-    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    # room for the tokens the first-admitted requests decode while later ones still prefill: every request must be
+    # running through the whole timed window (checked below), or the window would count rows that are gone
+    params = SamplingParams(max_tokens=steps + 4096, temperature=0, ignore_eos=True)
     hs = [engine.submit(GenerationRequest(tuple(torch.randint(1, V, (context,), generator=g).tolist()), params))
           for _ in range(batch)]
     while engine.waiting or any(s.pending > 1 for s in engine.running):
@@ -78,6 +80,9 @@ def decode_rate(engine, context: int, batch: int, steps: int, profile: bool = Fa
         events.append(host_events(engine))
     sync(engine.device)
     dt = (time.perf_counter() - t0) / steps
+    if len(engine.running) != batch:
+        raise RuntimeError(f"{len(engine.running)} of the {batch} requests were still running after the timed steps: "
+                           "the rate would count rows that had finished (raise max_tokens)")
     # host time between step returns (asynchronous scheduling: a step returns once its successor is launched), to
     # tell a uniformly slow step from a few slow ones; for the slowest, what happened during it
     each = [b - a for a, b in zip([t0] + marks[:-1], marks)]

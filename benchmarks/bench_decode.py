@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import header  # noqa: E402
+from benchmarks.common import header, host_counters, slowest  # noqa: E402
 from k3 import K3Config, K3ForCausalLM  # noqa: E402
 from k3.data.tokenizer import train_tokenizer  # noqa: E402
 from k3.inference.api import GenerationRequest, SamplingParams  # noqa: E402
@@ -86,11 +86,9 @@ def decode_rate(engine, context: int, batch: int, steps: int, profile: bool = Fa
     # host time between step returns (asynchronous scheduling: a step returns once its successor is launched), to
     # tell a uniformly slow step from a few slow ones; for the slowest, what happened during it
     each = [b - a for a, b in zip([t0] + marks[:-1], marks)]
-    worst = max(range(steps), key=each.__getitem__)
     s_each = sorted(each)
     spread = {"min": s_each[0] * 1e3, "median": s_each[len(s_each) // 2] * 1e3, "max": s_each[-1] * 1e3,
-              "slowest_step": worst, "during_slowest": {k: events[worst + 1][k] - events[worst][k]
-                                                        for k in events[0] if events[worst + 1][k] != events[worst][k]}}
+              **slowest(each, events)}
     top = None
     if profile:
         top = profile_step(engine)
@@ -102,20 +100,10 @@ def decode_rate(engine, context: int, batch: int, steps: int, profile: bool = Fa
 
 
 def host_events(engine) -> dict:
-    """Running counts of what can stall a step on the host: CUDA graphs captured, dynamo compilations, garbage
-    collections, allocator cudaMalloc retries and segments, preemptions, prefix-cache pages written to the host."""
-    import gc
-
-    from torch._dynamo.utils import counters
-
+    """``common.host_counters`` and the engine's own: CUDA graphs captured, preemptions, host-tier pages."""
     r = engine.runner
-    out = {"graphs": len(getattr(r, "_graphs", {})) + len(getattr(r, "_sample_graphs", {})),
-           "dynamo_graphs": sum(counters["stats"].values()) if "stats" in counters else 0,
-           "gc": sum(g["collections"] for g in gc.get_stats()), "preemptions": engine.scheduler.preemptions}
-    if engine.device.type == "cuda":
-        m = torch.cuda.memory_stats(engine.device)
-        out.update(alloc_retries=m.get("num_alloc_retries", 0), segments=m.get("segment.all.allocated", 0),
-                   device_syncs=m.get("num_sync_all_streams", 0))
+    out = {**host_counters(engine.device), "preemptions": engine.scheduler.preemptions,
+           "graphs": len(getattr(r, "_graphs", {})) + len(getattr(r, "_sample_graphs", {}))}
     if engine.prefix is not None and engine.prefix.host is not None:
         out["host_pages"] = engine.prefix.host.pages_in_use
     return out

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import header  # noqa: E402
+from benchmarks.common import header, host_counters, slowest  # noqa: E402
 from k3 import K3Config, K3ForCausalLM  # noqa: E402
 from k3.distributed.plan import ParallelDims, ParallelPlan  # noqa: E402
 from k3.model.params import count_parameters  # noqa: E402
@@ -215,19 +215,21 @@ def profile_step(step, device: str, path: Path, top: int = 40, model=None) -> No
     print(f"# profile written to {path}", flush=True)
 
 
-def timed(step, warmup: int, steps: int, device: str) -> tuple[list[float], float]:
-    """(per-step ms, last loss): ``warmup`` untimed steps, then ``steps`` each ending in one read of the device."""
+def timed(step, warmup: int, steps: int, device: str) -> tuple[list[float], float, dict]:
+    """(per-step ms, last loss, the slowest step and what happened during it): ``warmup`` untimed steps, then
+    ``steps`` each ending in one read of the device."""
     for _ in range(warmup):  # fla's autotuning, torch.compile, the allocator
         float(step())
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    each, loss = [], float("nan")
+    each, loss, counts = [], float("nan"), [host_counters(device)]
     for _ in range(steps):
         t = time.perf_counter()
         loss = float(step())
         each.append((time.perf_counter() - t) * 1e3)
-    return each, loss
+        counts.append(host_counters(device))
+    return each, loss, slowest(each, counts)
 
 
 def row_stats(preset: str, name: str, docs: str, each: list[float], tokens: int, flops: float, peak: float,
@@ -288,12 +290,12 @@ def k3_row(preset: str, cfg: K3Config, args, batches=None) -> dict:
         load.append(bal.step()["load_max_over_mean"])  # the worst layer's routed-token max/mean
         return loss.lm_loss
 
-    each, loss = timed(step, args.warmup, args.steps, device)
+    each, loss, slow = timed(step, args.warmup, args.steps, device)
     n = args.steps
     kind = "uniform" if batches is None else "corpus"
     row = row_stats(preset, f"k3 {preset}", kind, each, B * T, k3_flops(cfg, B * T, sum(sq[-n:]) / n),
                     args.peak_tflops * 1e12, device, docs_per_step=sum(docs[-n:]) / n, loss=loss,
-                    load_max_over_mean=[round(x, 2) for x in load[-n:]])
+                    load_max_over_mean=[round(x, 2) for x in load[-n:]], **slow)
     if args.profile:
         profile_step(step, device, Path(args.profile) / f"k3-{preset}-{kind}.txt", model=model)
     return row
@@ -318,9 +320,10 @@ def peer_row(preset: str, cfg: K3Config, args) -> dict:
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    each, loss = timed(step, args.warmup, args.steps, device)
+    each, loss, slow = timed(step, args.warmup, args.steps, device)
     row = row_stats(preset, f"dense {cfg.hidden_size} x {cfg.num_hidden_layers}", "any", each, B * T, model.flops(B, T),
-                    args.peak_tflops * 1e12, device, params=sum(p.numel() for p in model.parameters()), loss=loss)
+                    args.peak_tflops * 1e12, device, params=sum(p.numel() for p in model.parameters()), loss=loss,
+                    **slow)
     if args.profile:
         profile_step(step, device, Path(args.profile) / f"dense-{preset}.txt", model=model)
     return row
@@ -387,6 +390,11 @@ def report(rows: list[dict], args) -> None:
             print(f"k3 {preset}: corpus / uniform tokens/s {c['tokens_per_s'] / u['tokens_per_s']:.2f}x; corpus step "
                   f"spread {c['step_ms']['min'] / c['step_ms']['median'] - 1:+.0%} / "
                   f"{c['step_ms']['max'] / c['step_ms']['median'] - 1:+.0%} around its median")
+        for r in by.values():
+            if r["step_ms"]["max"] > 1.1 * r["step_ms"]["median"]:
+                print(f"k3 {preset} {r['docs']}: slowest step {r['slowest_step']} "
+                      f"({r['step_ms']['max'] / r['step_ms']['median'] - 1:+.0%}), during it: "
+                      f"{r['during_slowest'] or 'nothing counted'}")
         if peer is not None and "uniform" in by:
             print(f"k3 {preset} / dense peer tokens/s: {by['uniform']['tokens_per_s'] / peer['tokens_per_s']:.2f}x")
     if args.json:

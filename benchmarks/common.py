@@ -1,4 +1,5 @@
-"""Shared helpers for benchmarks: CUDA-event timing and a results header (date, commit, machine)."""
+"""Shared helpers for benchmarks: CUDA-event timing, a results header (date, commit, machine), and the counts of
+what can stall a timed step."""
 
 from __future__ import annotations
 
@@ -10,6 +11,29 @@ import subprocess
 import time
 
 import torch
+
+
+def host_counters(device) -> dict:
+    """Running counts of what can stall a step on the host: dynamo compilations, garbage collections, and on CUDA
+    the caching allocator's cudaMalloc retries and segments. The difference over a slow step says what happened."""
+    import gc
+
+    from torch._dynamo.utils import counters
+
+    out = {"dynamo_graphs": sum(counters["stats"].values()) if "stats" in counters else 0,
+           "gc": sum(g["collections"] for g in gc.get_stats())}
+    if torch.device(device).type == "cuda":
+        m = torch.cuda.memory_stats(device)
+        out.update(alloc_retries=m.get("num_alloc_retries", 0), segments=m.get("segment.all.allocated", 0))
+    return out
+
+
+def slowest(each: list[float], counts: list[dict]) -> dict:
+    """The slowest of the timed steps ``each`` and what changed during it (``counts``: one more than ``each``, the
+    counters before the first step and after each)."""
+    worst = max(range(len(each)), key=each.__getitem__)
+    return {"slowest_step": worst, "during_slowest": {k: counts[worst + 1][k] - counts[worst][k] for k in counts[0]
+                                                      if counts[worst + 1][k] != counts[worst][k]}}
 
 
 def header() -> dict:

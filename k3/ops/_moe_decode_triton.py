@@ -16,7 +16,7 @@ def _tanh(x):
 
 
 @triton.jit
-def _up_kernel(Z, IDX, W1, W3, H, L, I, stride_we, B1, B2, K_TOP: tl.constexpr, SITU: tl.constexpr,
+def _up_kernel(Z, IDX, W1, W3, H, L, I, stride_zn, stride_we, B1, B2, K_TOP: tl.constexpr, SITU: tl.constexpr,
                BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr):
     r = tl.program_id(0)  # routed row: token r // K_TOP, its (r % K_TOP)-th expert
     offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -28,7 +28,7 @@ def _up_kernel(Z, IDX, W1, W3, H, L, I, stride_we, B1, B2, K_TOP: tl.constexpr, 
     for l0 in range(0, L, BLOCK_L):
         offs_l = l0 + tl.arange(0, BLOCK_L)
         ml = offs_l < L
-        z = tl.load(Z + n * L + offs_l, mask=ml, other=0.0).to(tl.float32)
+        z = tl.load(Z + n * stride_zn + offs_l, mask=ml, other=0.0).to(tl.float32)  # z's rows may be strided
         rows = e * stride_we + offs_i[:, None] * L + offs_l[None, :]
         m2 = mi[:, None] & ml[None, :]
         acc1 += tl.sum(tl.load(W1 + rows, mask=m2, other=0.0).to(tl.float32) * z[None, :], 1)
@@ -64,7 +64,11 @@ def _down_kernel(H, IDX, WT, W2, P, L, I, stride_we, BLOCK_L: tl.constexpr, BLOC
 
 
 def moe_decode_kernels(z, weights, idx, w1, w3, w2, situ: bool, b1: float, b2: float) -> torch.Tensor:
+    """z [N,L] (rows at any stride: the engine's is a column slice of the fused projection), weights [N,k] fp32,
+    idx [N,k] contiguous -> each routed row's weighted output [N,k,L] fp32."""
     N, L = z.shape
+    if z.stride(1) != 1:
+        z = z.contiguous()
     k = idx.shape[1]
     E, I, _ = w1.shape
     # the kernels index each expert's matrix as dense rows ([I,L] for w1/w3, [L,I] for w2), w1 and w3 by one stride
@@ -75,7 +79,8 @@ def moe_decode_kernels(z, weights, idx, w1, w3, w2, situ: bool, b1: float, b2: f
     h = torch.empty(N * k, I, dtype=dtype, device=z.device)
     part = torch.empty(N * k, L, dtype=torch.float32, device=z.device)
     block_i, block_l = 16, min(128, triton.next_power_of_2(L))  # small blocks: enough programs at one token
-    _up_kernel[(N * k, triton.cdiv(I, block_i))](z, idx, w1, w3, h, L, I, w1.stride(0), b1, b2, K_TOP=k, SITU=situ,
+    _up_kernel[(N * k, triton.cdiv(I, block_i))](z, idx, w1, w3, h, L, I, z.stride(0), w1.stride(0), b1, b2, K_TOP=k,
+                                                 SITU=situ,
                                                  BLOCK_I=block_i, BLOCK_L=block_l, num_warps=4)
     block_l2, block_i2 = 8, min(128, triton.next_power_of_2(I))  # one program per (routed row, 8 outputs)
     _down_kernel[(N * k, triton.cdiv(L, block_l2))](h, idx, weights, w2, part, L, I, w2.stride(0), BLOCK_L=block_l2,

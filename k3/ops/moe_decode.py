@@ -55,7 +55,7 @@ def _expert_decode(z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w1
                    w2: torch.Tensor, situ: bool, b1: float, b2: float) -> torch.Tensor:
     from ._moe_decode_triton import moe_decode_kernels
 
-    return moe_decode_kernels(z.contiguous(), weights.float().contiguous(), idx.contiguous(), w1, w3, w2, situ, b1, b2)
+    return moe_decode_kernels(z, weights.float().contiguous(), idx.contiguous(), w1, w3, w2, situ, b1, b2)
 
 
 @_expert_decode.register_fake

@@ -192,10 +192,13 @@ def test_fused_expert_decode_matches_the_grouped_path(act, N, k):
     torch.manual_seed(3)
     cfg = K3Config.preset("tiny").replace(hidden_act=act, num_experts=8, num_experts_per_token=k)
     bank = ExpertBank(cfg).to(DEV)
-    z = torch.randn(N, cfg.expert_dim, device=DEV) * 3  # large enough to reach SiTU's saturation
+    # z large enough to reach SiTU's saturation, and a column slice of a wider row (as the engine's fused
+    # projection gives it): the kernel reads its rows through their stride
+    z = (torch.randn(N, cfg.expert_dim + 7, device=DEV) * 3)[:, 2:2 + cfg.expert_dim]
+    assert not z.is_contiguous() or N == 1  # (one row: torch calls any slice of it contiguous)
     idx = torch.stack([torch.randperm(8)[:k] for _ in range(N)]).to(DEV)
     weights = torch.rand(N, k, device=DEV)
-    ref = bank(z, weights, idx).detach()  # with a gradient (and on CPU) forward runs the grouped path
+    ref = bank(z.contiguous(), weights, idx).detach()  # with a gradient (and on CPU) forward runs the grouped path
     with torch.no_grad():
         out = expert_decode(z, weights, idx, bank.w1, bank.w3, bank.w2, act, bank.b1, bank.b2)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)

@@ -1,5 +1,5 @@
 """The router for a few tokens (decode), fused (SPEC §4): the same math as ``Router.forward``
-(k3.ops.routing's ``router_scores`` + ``select_experts``, the reference) in two Triton kernels.
+(k3.ops.routing's ``router_scores`` + ``select_experts``, the reference) in one Triton kernel.
 
 Legend: N tokens, D hidden, E experts, k experts per token.
 
@@ -7,7 +7,8 @@ Legend: N tokens, D hidden, E experts, k experts per token.
 
 The reference's path at one token is ~8 kernels per MoE layer (an fp32 GEMV as cuBLAS dot + reduce, the sigmoid
 and bias, the top-k's radix passes, the gather, the renormalisation); here one kernel computes the scores (several
-programs per token, each a block of experts) and one selects the top k per token. Indices come in descending order
+programs per token, each a block of 4 experts) and the last of a token's programs to finish selects its top k
+(``k3.ops._arrivals``: a counter per token, no second launch). Indices come in descending order
 of the biased score (the reference's are unordered: ``topk(sorted=False)``); a tie goes to the lower index.
 No gradient: inference only.
 """
@@ -31,7 +32,7 @@ def router_decode_applies(x: torch.Tensor, k: int, score_func: str) -> bool:
 def router_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool,
                   scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [N,D], weight [E,D], bias [E] fp32 -> (weights [N,k] fp32, indices [N,k] int64, scores [N,E] fp32). A
-    custom op: torch.compile calls it as one opaque pair of kernels. Also runs under TRITON_INTERPRET=1 on CPU."""
+    custom op: torch.compile calls it as one opaque kernel. Also runs under TRITON_INTERPRET=1 on CPU."""
     if not 1 <= k <= weight.shape[0]:
         raise ValueError(f"num_experts_per_token must be in [1, num_experts={weight.shape[0]}], got {k}")
     return torch.ops.k3.router_decode(x, weight, bias, k, renormalize, float(scaling))

@@ -231,8 +231,10 @@ def test_append_then_attend_kernels_match_the_reference():
 @needs_triton
 @pytest.mark.parametrize("E,k,renorm,scaling,N", [(32, 4, True, 1.0, 1), (8, 2, True, 2.5, 3), (40, 6, False, 1.7, 5)])
 def test_fused_router_decode_matches_the_router(E, k, renorm, scaling, N):
-    """The two router kernels give the reference router's choice, weights and scores (the bias changes the choice,
-    never the weights); indices compared as sets, the reference's top-k being unordered."""
+    """The one-launch router kernel gives the reference router's choice, weights and scores (the bias changes the
+    choice, never the weights); indices compared as sets, the reference's top-k being unordered. Its programs hand
+    the top-k to the last of each token's E/4 to arrive: a second call (its counters reset by the first) gives
+    the same."""
     from k3 import K3Config
     from k3.layers.width.router import Router
     from k3.ops.router_decode import router_decode
@@ -246,6 +248,8 @@ def test_fused_router_decode_matches_the_router(E, k, renorm, scaling, N):
     w_ref, i_ref, s_ref = router(x)  # on CPU (and with a gradient) the reference path runs
     with torch.no_grad():
         w, i, s = router_decode(x, router.weight, router.e_score_correction_bias, k, renorm, scaling)
+        again = router_decode(x, router.weight, router.e_score_correction_bias, k, renorm, scaling)
+    assert all(torch.equal(a, b) for a, b in zip(again, (w, i, s)))
     torch.testing.assert_close(s, s_ref.detach(), atol=1e-6, rtol=1e-5)
     order_ref, order = i_ref.sort(-1), i.sort(-1)
     assert torch.equal(order.values, order_ref.values)

@@ -26,7 +26,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N,D] -> (weights [N,k] fp32, indices [N,k], scores [N,E] fp32)."""
-        if router_decode_applies(x, self.top_k, self.score_func):  # a few tokens on CUDA, no gradient: 2 kernels
+        if router_decode_applies(x, self.top_k, self.score_func):  # a few tokens on CUDA, no gradient: 1 kernel
             return router_decode(x, self.weight, self.e_score_correction_bias, self.top_k, self.renormalize,
                                  self.scaling)
         with torch.autocast(x.device.type, enabled=False):  # fp32 scores (SPEC §4); autocast would run bf16

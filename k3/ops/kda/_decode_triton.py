@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._arrivals import arrival_counters
+
 
 @triton.jit
 def _conv_window(X, WT, TAIL, stride_tw, mask, W: tl.constexpr, BW: tl.constexpr):
@@ -124,21 +126,6 @@ def _kda_decode_kernel(Q, K_IN, V_IN, F_IN, FB, B_IN, WQ, WK, WV, A_LOG, DT_BIAS
                 tl.atomic_xchg(COUNT + i_b * H + i_h, 0, sem="relaxed")
 
 
-# one arrival counter per (row, head), zero between launches (the last program resets its own); grown, never
-# freed: a CUDA graph captured with an older buffer keeps pointing at it
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_KEPT: list[torch.Tensor] = []
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _KEPT.append(buf)
-        _COUNTERS[device] = buf
-    return buf
-
-
 # rows up to which the gate's second projection runs inside the kernel (each of a head's NV programs reads its
 # K x RF slice of f_b: NV times the weight per row, which pays against a separate matrix-vector launch only for
 # a few rows); more rows: one F.linear before the kernel
@@ -210,7 +197,7 @@ def kda_decode_launch(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, 
         RF, fb, f_strides, w_strides = f_b_weight.shape[-1], f_b_weight, (f.stride(0), 0, f.stride(1)), f_b_weight.stride()
     _kda_decode_kernel[(B, H, NV)](
         q, k, v, f, fb, b, *ws, A_log.contiguous(), dt_bias.contiguous(), state, conv, index, o,
-        _counters(q.device, B * H),
+        arrival_counters(q.device, B * H),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *f_strides, *w_strides,
         *b.stride(), index.stride(0), *state.stride(), *conv.stride(), o.stride(0), o.stride(1),
         K ** -0.5 if scale is None else scale, float(lower_bound) if gate_kind == "lower_bound" else 0.0, H,

@@ -73,6 +73,13 @@ def _row(it) -> SamplingRow:
     return it.sample if it.sample is not None else FEED_ONLY
 
 
+def _sampling_kind(items) -> tuple[bool, bool]:
+    """(filtered: some row has top-k or top-p, top: some row asks for logprobs): which sampler variant the rows
+    need (a CUDA graph each, per bucket)."""
+    rows = [_row(it) for it in items]
+    return any(r.top_k > 0 or r.top_p < 1.0 for r in rows), any(r.logprobs > 0 for r in rows)
+
+
 class ModelRunner:
     def __init__(self, model, pool: PagePool, max_context: int, max_batch: int, cuda_graphs: bool | None = None,
                  compile: bool | None = None, graph_sizes=GRAPH_SIZES):
@@ -113,7 +120,7 @@ class ModelRunner:
             self._host_result = [torch.zeros(len(self._prev_tokens), 2 + 2 * TOP_LOGPROBS).pin_memory()
                                  for _ in range(2)]
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._sample_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._sample_graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
         if self.use_graphs:
             self._static_buffers(max(self.sizes), L.kda_pages)
 
@@ -257,8 +264,8 @@ class ModelRunner:
     def _sample_packed(self, logits, items) -> torch.Tensor:
         """Eager sampling (varying shapes) of ``items``' rows of ``logits`` -> packed results [n, 2 + 2K] fp32."""
         temp, top_k, top_p, seed, step = self._sampling_tensors(items)
-        filtered = any(_row(it).top_k > 0 or _row(it).top_p < 1.0 for it in items)
-        return _pack(*sample(logits, temp, top_k, top_p, seed, step, filtered))
+        filtered, top = _sampling_kind(items)
+        return _pack(*sample(logits, temp, top_k, top_p, seed, step, filtered, top))
 
     # ---- CUDA graphs ------------------------------------------------------------------------------------------
     def _static_buffers(self, n: int, kda_pages: int) -> None:
@@ -286,10 +293,10 @@ class ModelRunner:
         self._logits[:bs] = self._forward(self._ints[:bs, 0], self._ints[:bs, 5], self._positions[:bs],
                                           self._table[:bs], self._ints[:bs, N_INT:])
 
-    def _graph_sample(self, bs: int, filtered: bool):
+    def _graph_sample(self, bs: int, filtered: bool, top: bool):
         ints, floats = self._ints[:bs], self._floats[:bs]
         self._result[:bs] = _pack(*self._sample(self._logits[:bs], floats[:, 0], ints[:, 2], floats[:, 1],
-                                                ints[:, 3], ints[:, 4], filtered))
+                                                ints[:, 3], ints[:, 4], filtered, top))
 
     def _capture(self, fn, *args) -> torch.cuda.CUDAGraph:
         stream = torch.cuda.Stream()
@@ -340,9 +347,8 @@ class ModelRunner:
         """Replay the sampler's graph over the logits buffer -> the packed results [B, 2 + 2K] (a static buffer)."""
         B = len(items)
         bs = self._bucket(B)
-        filtered = any(_row(it).top_k > 0 or _row(it).top_p < 1.0 for it in items)
-        key = (bs, filtered)
+        key = (bs, *_sampling_kind(items))
         if key not in self._sample_graphs:
-            self._sample_graphs[key] = self._capture(self._graph_sample, bs, filtered)
+            self._sample_graphs[key] = self._capture(self._graph_sample, *key)
         self._sample_graphs[key].replay()
         return self._result[:B]

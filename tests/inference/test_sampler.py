@@ -6,14 +6,14 @@ import torch
 from k3.inference.sampler import hash_uniform, sample
 
 
-def _sample(logits, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=0, filtered=True):
+def _sample(logits, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=0, filtered=True, top_logprobs=True):
     B = logits.shape[0]
 
     def full(v, dtype):
         return v if torch.is_tensor(v) else torch.full((B,), v, dtype=dtype)
 
     return sample(logits, full(temperature, torch.float32), full(top_k, torch.long), full(top_p, torch.float32),
-                  full(seed, torch.long), full(step, torch.long), filtered)
+                  full(seed, torch.long), full(step, torch.long), filtered, top_logprobs)
 
 
 @pytest.fixture
@@ -93,6 +93,17 @@ def test_logprobs_are_of_raw_logits(logits):
     vals, ids = ref.topk(5, dim=-1)
     assert torch.equal(top_id, ids)
     torch.testing.assert_close(top_lp, vals)
+
+
+def test_without_top_logprobs_the_same_draw_and_zero_alternatives(logits):
+    """top_logprobs=False (no row asked for logprobs) skips the alternatives: the same tokens and logprobs, the
+    alternatives' columns zero."""
+    for temp in (0.0, 0.8):
+        a = _sample(logits, temperature=temp, seed=4, top_k=7)
+        b = _sample(logits, temperature=temp, seed=4, top_k=7, top_logprobs=False)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        assert b[2].shape == a[2].shape and b[3].shape == a[3].shape
+        assert not b[2].any() and not b[3].any()
 
 
 def test_shape_errors_speak():

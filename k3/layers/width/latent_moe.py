@@ -21,7 +21,7 @@ from ...ops.moe_decode import decode_applies, expert_decode
 from ...ops.mx import fake_quant_mxfp4, fake_quant_mxfp8
 from ...ops.routing import bincount
 from ...ops.situ import glu
-from ..fuse import fuse_linears, use_fused
+from ..fuse import fuse_linears, fuse_linears_by_input, use_fused
 from ..norm import RMSNorm
 from ..regions import region
 from .mlp import GatedMLP
@@ -110,10 +110,12 @@ class LatentMoE(nn.Module):
         self.record_routing = False  # the trainer's balancer reads self.last_routing when set
         self.last_routing: tuple[torch.Tensor, torch.Tensor] | None = None
         self.in_proj: torch.Tensor | None = None  # down projection and shared gate/up in one (fuse_projections)
+        self.out_proj: torch.Tensor | None = None  # latent up projection and shared down in one (fuse_projections)
 
     def fuse_projections(self) -> None:
         """Inference: the latent down projection and the shared experts' gate and up projections become one
-        matmul (the router stays apart: it is computed in fp32)."""
+        matmul (the router stays apart: it is computed in fp32), and so do the latent up projection and the shared
+        experts' down projection, whose outputs are summed: [u, h_shared] times both weights side by side."""
         lins = [self.routed_expert_down_proj] if self.routed_expert_down_proj is not None else []
         if self.shared_experts is not None:
             lins += [self.shared_experts.gate_proj, self.shared_experts.up_proj]
@@ -122,6 +124,8 @@ class LatentMoE(nn.Module):
         if self.shared_experts is not None:  # its gate and up rows, so that it is not fused a second time
             self.shared_experts.in_proj = self.in_proj[-sum(self._in_sizes[-2:]):]
             self.shared_experts._in_sizes = self._in_sizes[-2:]
+        if self.shared_experts is not None and self.routed_expert_up_proj is not None:
+            self.out_proj, _ = fuse_linears_by_input([self.routed_expert_up_proj, self.shared_experts.down_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -129,18 +133,21 @@ class LatentMoE(nn.Module):
         weights, idx, scores = self.gate(x)
         if self.record_routing:
             self.last_routing = (scores.detach(), idx.detach())
-        shared = None
+        shared = h_shared = None
         if use_fused(self.in_proj):  # inference: z and the shared experts' gate/up from one matmul
             parts = F.linear(x, self.in_proj).split(self._in_sizes, dim=-1)
             z = parts[0] if self.routed_expert_down_proj is not None else x
-            gate, up = parts[-2:]
-            shared = self.shared_experts.down_proj(self.shared_experts.activation(gate, up))
+            h_shared = self.shared_experts.activation(*parts[-2:])
+            if not use_fused(self.out_proj):
+                shared = self.shared_experts.down_proj(h_shared)
         else:
             z = self.routed_expert_down_proj(x) if self.routed_expert_down_proj is not None else x
         u = region("moe_experts", self.experts, z, weights, idx)  # [N,L] fp32; recomputable from the dispatch input
         if self.routed_expert_norm is not None:
             u = self.routed_expert_norm(u)
         u = u.to(x.dtype)
+        if h_shared is not None and use_fused(self.out_proj):  # up(u) + down(h_shared) as one matmul
+            return F.linear(torch.cat([u, h_shared], dim=-1), self.out_proj).reshape(shape)
         y = self.routed_expert_up_proj(u) if self.routed_expert_up_proj is not None else u
         if self.shared_experts is not None:
             y = y + (shared if shared is not None else self.shared_experts(x))

@@ -197,7 +197,7 @@ def kda_decode_launch(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, 
         RF, fb, f_strides, w_strides = f_b_weight.shape[-1], f_b_weight, (f.stride(0), 0, f.stride(1)), f_b_weight.stride()
     _kda_decode_kernel[(B, H, NV)](
         q, k, v, f, fb, b, *ws, A_log.contiguous(), dt_bias.contiguous(), state, conv, index, o,
-        arrival_counters(q.device, B * H),
+        arrival_counters(q.device, B * H, "kda_decode"),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *f_strides, *w_strides,
         *b.stride(), index.stride(0), *state.stride(), *conv.stride(), o.stride(0), o.stride(1),
         K ** -0.5 if scale is None else scale, float(lower_bound) if gate_kind == "lower_bound" else 0.0, H,

@@ -5,7 +5,10 @@ scheduling gives the synchronous tokens.
 
 The exactness test runs in float32 with IEEE matmuls (test_engine_parts_gpu.py says why not bf16: a random MoE
 routes on near-ties): relative RMS of the logits within 1e-3 against the full forward (chunked vs recurrent KDA,
-paged vs dense MLA), 1e-4 between the graph and the eager runner. The other two run in bf16, the serving dtype."""
+paged vs dense MLA), 1e-4 between the graph and the eager runner. What it tests is the decode path (our Triton
+decode kernels, the graphs); the prompts and the full forward run KDA's chunk and short-conv references on the
+GPU (fla-core's kernels have their own tests in test_fla.py, and their autotuning afresh for fp32 outlasted
+every device step this test was given). The other two run in bf16, the serving dtype, with fla-core."""
 
 import copy
 import os
@@ -46,6 +49,18 @@ def _engines(tok, model):
             Engine(model, tok, EngineConfig(**cfg, cuda_graphs=False, compile=False)))
 
 
+@pytest.fixture
+def reference_prefill_kernels(monkeypatch):
+    """KDA's chunked kernel and short convs as the references (prefill and the full forward); decode untouched."""
+    import k3.layers.sequence.kda as kda_layer
+    import k3.ops.kda as kda_ops
+
+    chunk, conv = kda_ops.chunk_kda, kda_layer.short_conv
+    monkeypatch.setattr(kda_ops, "chunk_kda", lambda *a, **kw: chunk(*a, **{**kw, "backend": "torch"}))
+    monkeypatch.setattr(kda_layer, "short_conv", lambda *a, **kw: conv(*a, **{**kw, "backend": "torch"}))
+
+
+@pytest.mark.usefixtures("reference_prefill_kernels")
 @torch.no_grad()
 def test_graph_runner_equals_eager_runner_and_the_full_forward(setup):
     tok, model, _ = setup

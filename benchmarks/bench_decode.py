@@ -72,8 +72,10 @@ def decode_rate(engine, context: int, batch: int, steps: int, profile: bool = Fa
     for _ in range(3):  # warm-up: graph capture of this bucket, first replays
         engine.step()
     sync(engine.device)
+    alloc0 = host_counters(engine.device)  # the allocator's counts are read around the window, not per step
+    events = [host_events(engine)]
     t0 = time.perf_counter()
-    marks, events = [], [host_events(engine)]
+    marks = []
     for _ in range(steps):
         engine.step()
         marks.append(time.perf_counter())
@@ -88,7 +90,9 @@ def decode_rate(engine, context: int, batch: int, steps: int, profile: bool = Fa
     each = [b - a for a, b in zip([t0] + marks[:-1], marks)]
     s_each = sorted(each)
     spread = {"min": s_each[0] * 1e3, "median": s_each[len(s_each) // 2] * 1e3, "max": s_each[-1] * 1e3,
-              **slowest(each, events)}
+              **slowest(each, events),
+              "allocator_during_window": {k: v - alloc0[k] for k, v in host_counters(engine.device).items()
+                                          if k in ("alloc_retries", "segments") and v != alloc0[k]}}
     top = None
     if profile:
         top = profile_step(engine)
@@ -100,9 +104,10 @@ def decode_rate(engine, context: int, batch: int, steps: int, profile: bool = Fa
 
 
 def host_events(engine) -> dict:
-    """``common.host_counters`` and the engine's own: CUDA graphs captured, preemptions, host-tier pages."""
+    """``common.host_counters`` without the allocator (cheap enough between steps) and the engine's own: CUDA graphs
+    captured, preemptions, host-tier pages."""
     r = engine.runner
-    out = {**host_counters(engine.device), "preemptions": engine.scheduler.preemptions,
+    out = {**host_counters(engine.device, allocator=False), "preemptions": engine.scheduler.preemptions,
            "graphs": len(getattr(r, "_graphs", {})) + len(getattr(r, "_sample_graphs", {}))}
     if engine.prefix is not None and engine.prefix.host is not None:
         out["host_pages"] = engine.prefix.host.pages_in_use
@@ -387,7 +392,8 @@ def summarise(rows, args):
             sp = r.get("step_spread_ms")
             spread = f"{sp['min']:.3f} / {sp['median']:.3f} / {sp['max']:.3f}" if sp else ""
             if sp and sp["max"] > 5 * sp["median"]:
-                spread += f" (slowest: step {sp['slowest_step']}, during it {sp['during_slowest'] or 'nothing counted'})"
+                spread += (f" (slowest: step {sp['slowest_step']}, during it {sp['during_slowest'] or 'nothing counted'}"
+                           f"; allocator over the window: {sp['allocator_during_window'] or 'nothing'})")
             print(f"| {r['model']} | {r['batch']} | {r['context']:,} | {r['tokens_per_s']:,.0f} | "
                   f"{r.get('step_ms', float('nan')):.3f} | {spread} | {bw} |")
     k3 = {(r["batch"], r["context"]): r["tokens_per_s"] for r in rows if r.get("model") == "k3 hybrid" and "batch" in r}

@@ -4,6 +4,7 @@ what can stall a timed step."""
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import platform
 import statistics
@@ -11,18 +12,17 @@ import subprocess
 import time
 
 import torch
+from torch._dynamo.utils import counters
 
 
-def host_counters(device) -> dict:
+def host_counters(device, allocator: bool = True) -> dict:
     """Running counts of what can stall a step on the host: dynamo compilations, garbage collections, and on CUDA
-    the caching allocator's cudaMalloc retries and segments. The difference over a slow step says what happened."""
-    import gc
-
-    from torch._dynamo.utils import counters
-
+    (``allocator``) the caching allocator's cudaMalloc retries and segments. The difference over a slow step says
+    what happened. ``torch.cuda.memory_stats`` costs tens of microseconds: leave it out between sub-millisecond
+    steps."""
     out = {"dynamo_graphs": sum(counters["stats"].values()) if "stats" in counters else 0,
            "gc": sum(g["collections"] for g in gc.get_stats())}
-    if torch.device(device).type == "cuda":
+    if allocator and torch.device(device).type == "cuda":
         m = torch.cuda.memory_stats(device)
         out.update(alloc_retries=m.get("num_alloc_retries", 0), segments=m.get("segment.all.allocated", 0))
     return out

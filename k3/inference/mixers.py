@@ -12,9 +12,10 @@ R kv_lora_rank, Dr rope dim, Tp tokens per page.
 - ``DecodeMixer``: one token per row. KDA layers update their states IN PLACE (``k3::kda_decode_paged``: the
   short convs' tails and the recurrent state, in the pool, nothing copied; on CUDA one fused kernel that reads
   q, k, v, f_a and b as the projection's slices and applies the gate's second projection itself); MLA layers
-  write the new latent into its page and attend over the pages in place through the page table (``k3::mla_decode_paged``). Both are registered as torch custom
-  ops that find the pool by key, so ``torch.compile`` treats them as opaque kernels and the pool never becomes
-  a graph input (the same device buffers serve every CUDA-graph replay).
+  write the new latent into its page and attend over the pages in place through the page table
+  (``k3::mla_decode_paged``). Both are registered as torch custom ops that find the pool by key, so
+  ``torch.compile`` treats them as opaque kernels and the pool never becomes a graph input (the same device
+  buffers serve every CUDA-graph replay).
 """
 
 from __future__ import annotations
@@ -95,9 +96,10 @@ class DecodeMixer:
     def _kda(self, attn, slot: int, x: torch.Tensor) -> torch.Tensor:
         q, k, v, fa, b, gate = attn.projections(x, project_f=False)  # [B,1,HK] x3, [B,1,K], [B,1,H], [B,1,HK]
         o = torch.ops.k3.kda_decode_paged(
-            q[:, 0], k[:, 0], v[:, 0], fa[:, 0], attn.f_b_proj.weight, b[:, 0], attn.q_conv1d.weight, attn.k_conv1d.weight,
-            attn.v_conv1d.weight, attn.A_log, attn.dt_bias, self.kda_index[:, slot // self.per_page], self.pool_key,
-            slot, attn.gate_kind, float(attn.lower_bound), attn.backend)
+            q[:, 0], k[:, 0], v[:, 0], fa[:, 0], attn.f_b_proj.weight, b[:, 0], attn.q_conv1d.weight,
+            attn.k_conv1d.weight, attn.v_conv1d.weight, attn.A_log, attn.dt_bias,
+            self.kda_index[:, slot // self.per_page], self.pool_key, slot, attn.gate_kind, float(attn.lower_bound),
+            attn.backend)
         return attn.output(o[:, None], gate)
 
     def _mla(self, mla, slot: int, x: torch.Tensor) -> torch.Tensor:

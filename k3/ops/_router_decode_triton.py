@@ -65,8 +65,9 @@ def router_decode_kernels(x, weight, bias, k: int, renormalize: bool, scaling: f
     # top-k in the row's last program, not a second launch
     block_e = min(4, triton.next_power_of_2(E))
     nprog = triton.cdiv(E, block_e)
-    _router_kernel[(N, nprog)](x, weight, bias, scores, biased, w, idx, arrival_counters(x.device, N, "router_decode"), D, E,
-                               float(scaling), NPROG=nprog, K_TOP=k, K_POW2=triton.next_power_of_2(k),
-                               RENORM=renormalize, BLOCK_E=block_e, BLOCK_D=min(1024, triton.next_power_of_2(D)),
+    count = arrival_counters(x.device, N, "router_decode")
+    _router_kernel[(N, nprog)](x, weight, bias, scores, biased, w, idx, count, D, E, float(scaling), NPROG=nprog,
+                               K_TOP=k, K_POW2=triton.next_power_of_2(k), RENORM=renormalize, BLOCK_E=block_e,
+                               BLOCK_D=min(1024, triton.next_power_of_2(D)),
                                BLOCK_ALL=triton.next_power_of_2(E), num_warps=4)
     return w, idx, scores

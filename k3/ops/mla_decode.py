@@ -19,15 +19,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["mla_decode", "mla_decode_append", "mla_decode_reference", "mla_decode_triton", "triton_available"]
+from ._triton import triton_available
 
-
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # noqa: BLE001 - no triton (or no driver): the reference serves
-        return False
-    return True
+__all__ = ["mla_decode", "mla_decode_append", "mla_decode_reference", "mla_decode_triton"]
 
 
 def mla_decode_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,

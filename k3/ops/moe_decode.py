@@ -21,18 +21,12 @@ import os
 
 import torch
 
-__all__ = ["expert_decode", "decode_applies", "DECODE_ROWS", "triton_available"]
+from ._triton import triton_available
+
+__all__ = ["expert_decode", "decode_applies", "DECODE_ROWS"]
 
 # most routed rows (tokens x k) for the fused path; more rows reuse each expert's weights enough for grouped GEMMs
 DECODE_ROWS = int(os.environ.get("K3_MOE_DECODE_ROWS", "256"))
-
-
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # noqa: BLE001 - no triton (or no driver): the grouped path serves
-        return False
-    return True
 
 
 def decode_applies(z: torch.Tensor, idx: torch.Tensor) -> bool:

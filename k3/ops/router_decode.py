@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from .moe_decode import DECODE_ROWS, triton_available
+from ._triton import triton_available
+from .moe_decode import DECODE_ROWS
 
 __all__ = ["router_decode", "router_decode_applies"]
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..config import K3Config
 from ..layers.width.latent_moe import ExpertBank, LatentMoE, route_to_experts
-from ..ops.moe_decode import triton_available
+from ..ops._triton import triton_available
 from ..ops.mx import BLOCK, E4M3, dequantize_mxfp4, mx_round, quantize_mxfp4
 from ..ops.situ import glu
 

@@ -179,7 +179,8 @@ def kda_decode_launch(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, 
             raise ValueError(f"{name} must be [H*K,1,W] = [{HK},1,{W}]; got {tuple(w.shape)}")
         ws.append(w.reshape(HK, W).contiguous())  # the layer's parameter: already contiguous, no copy
     if dt_bias is None or dt_bias.numel() != HK:
-        raise ValueError(f"dt_bias must have H*K = {HK} entries; got {None if dt_bias is None else tuple(dt_bias.shape)}")
+        got = None if dt_bias is None else tuple(dt_bias.shape)
+        raise ValueError(f"dt_bias must have H*K = {HK} entries; got {got}")
     if gate_kind not in ("lower_bound", "softplus"):
         raise ValueError(f"unknown KDA gate {gate_kind!r}; expected 'lower_bound' or 'softplus'")
     if gate_kind == "lower_bound" and not lower_bound < 0:
@@ -194,7 +195,8 @@ def kda_decode_launch(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, 
     if f_b_weight is None:
         RF, fb, f_strides, w_strides = 0, f, f.stride(), (0, 0)
     else:
-        RF, fb, f_strides, w_strides = f_b_weight.shape[-1], f_b_weight, (f.stride(0), 0, f.stride(1)), f_b_weight.stride()
+        RF, fb = f_b_weight.shape[-1], f_b_weight
+        f_strides, w_strides = (f.stride(0), 0, f.stride(1)), f_b_weight.stride()
     _kda_decode_kernel[(B, H, NV)](
         q, k, v, f, fb, b, *ws, A_log.contiguous(), dt_bias.contiguous(), state, conv, index, o,
         arrival_counters(q.device, B * H, "kda_decode"),

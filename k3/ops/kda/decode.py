@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from ..norms import l2_norm
 from . import reference
+from .._triton import triton_available
 from .fla import FLA_DTYPES
 from .gate import kda_gate
 
@@ -85,8 +86,6 @@ def kda_decode(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, 
     args = (q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind, lower_bound, scale)
     if _wants_reference(backend, q):
         return kda_decode_reference(*args, f_b_weight=f_b_weight)
-    from ..mla_decode import triton_available
-
     if triton_available():
         return kda_decode_fused(*args, f_b_weight=f_b_weight)
     return kda_decode_reference(*args, f_b_weight=f_b_weight)

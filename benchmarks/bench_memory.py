@@ -18,6 +18,7 @@ A policy that runs out of memory is reported as such (the point of the others).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -82,9 +83,12 @@ def main():
         try:
             row = one_step(cfg, policy, ids, cu, args.device)
         except torch.OutOfMemoryError:
+            row = None  # the failed step's model and activations are freed once the exception is gone
+        if row is None:
+            gc.collect()  # (the model and its hooks hold reference cycles)
+            torch.cuda.empty_cache()
             rows.append({"policy": policy, "oom": True})
             print(json.dumps(rows[-1]), flush=True)
-            torch.cuda.empty_cache()
             continue
         grads = row.pop("grads")
         if ref is None:
@@ -95,6 +99,7 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.device == "cuda":
+            gc.collect()
             torch.cuda.empty_cache()
     out = {**header(), "preset": args.preset, "batch": args.batch, "seq_len": args.seq_len, "rows": rows}
     print(f"\n{args.preset}: {args.batch} x {args.seq_len} tokens, one forward + backward on {args.device} "

@@ -43,8 +43,11 @@ def setup():
 
 
 def _engines(tok, model):
+    # decode_prompt_tokens=0: both engines prefill every prompt (by default a graph engine feeds a short prompt
+    # through its decode graphs, a token per step: its sequences would then take a different number of steps, and
+    # with the test's fixed next token, different tokens than the eager engine's)
     cfg = dict(num_pages=256, page_tokens=256, hash_block=256, prefill_chunk=1024, step_tokens=2048, max_batch=8,
-               prefix_cache=False)
+               prefix_cache=False, decode_prompt_tokens=0)
     return (Engine(model, tok, EngineConfig(**cfg, cuda_graphs=True, compile=True)),
             Engine(model, tok, EngineConfig(**cfg, cuda_graphs=False, compile=False)))
 
@@ -83,6 +86,8 @@ def test_graph_runner_equals_eager_runner_and_the_full_forward(setup):
         plans = [eng.scheduler.schedule() for eng in (graph, eager)]
         assert [it.seq_id for it in plans[0].decode] == [it.seq_id for it in plans[1].decode] and not plans[0].prefill
         assert len(plans[0].decode) == len(prompts)
+        assert all(graph.seqs[a.seq_id].tokens == eager.seqs[b.seq_id].tokens
+                   for a, b in zip(plans[0].decode, plans[1].decode))  # the same tokens fed to both
         lg = graph.runner.decode_logits(plans[0].decode).clone()
         le = eager.runner.decode_logits(plans[1].decode)
         refs = [model(torch.tensor([graph.seqs[it.seq_id].tokens], device="cuda"))["logits"][0, -1]

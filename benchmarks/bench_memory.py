@@ -22,6 +22,7 @@ import gc
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -61,6 +62,14 @@ def one_step(cfg: K3Config, policy: str, ids, cu, device: str) -> dict:
     return row
 
 
+def _innermost_k3_frame(tb) -> str:
+    """``file:line function`` of the innermost traceback frame inside the k3 package (or the innermost of all)."""
+    frames = traceback.extract_tb(tb)
+    ours = [f for f in frames if "/k3/" in f.filename.replace("\\", "/")] or frames
+    f = ours[-1]
+    return f"{f.filename.rsplit('/k3/', 1)[-1]}:{f.lineno} {f.name}"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="small")
@@ -82,12 +91,14 @@ def main():
     for policy in args.policies.split(","):
         try:
             row = one_step(cfg, policy, ids, cu, args.device)
-        except torch.OutOfMemoryError:
-            row = None  # the failed step's model and activations are freed once the exception is gone
-        if row is None:
+        except torch.OutOfMemoryError as e:  # what was asked for, and where: the next run's first clue
+            row = {"policy": policy, "oom": True, "error": str(e).split("\n")[0][:300],
+                   "where": _innermost_k3_frame(e.__traceback__)}
+            del e  # the failed step's model and activations are freed once its traceback is gone
+        if row.get("oom"):
             gc.collect()  # (the model and its hooks hold reference cycles)
             torch.cuda.empty_cache()
-            rows.append({"policy": policy, "oom": True})
+            rows.append(row)
             print(json.dumps(rows[-1]), flush=True)
             continue
         grads = row.pop("grads")
@@ -110,7 +121,7 @@ def main():
     base = next((r for r in rows if not r.get("oom")), None)
     for r in rows:
         if r.get("oom"):
-            print(f"| {r['policy']} | out of memory | | | | | | |")
+            print(f"| {r['policy']} | out of memory at {r['where']} | | | | | | |")
             continue
         ratio = f" ({r['saved_gib'] / base['saved_gib']:.2f}x)" if base and base["saved_gib"] else ""
         peak = f"{r['peak_gib']:.2f} GiB ({r['activations_peak_gib']:.2f})" if "peak_gib" in r else "-"

@@ -9,7 +9,7 @@
 #   TESTS replaces the tests step's test files (pytest arguments).
 #   TRAIN_ARGS replaces trainc's extra bench_train arguments (default: --memory-policy efficient).
 #   DECODE_ARGS adds bench_decode arguments (e.g. --sections k3,ttft,peer --batches 1,32); QUANT_ARGS adds
-#   bench_quant arguments (e.g. --decode-presets small,medium).
+#   bench_quant arguments (e.g. --decode-presets small,medium); POST_ARGS replaces post's sizes (post_demo arguments).
 set -u
 OUT=${OUT:-/tmp/k3-gpu}
 mkdir -p "$OUT/logs"
@@ -57,8 +57,11 @@ for s in $steps; do
     # decode through the engine alone, bf16 experts against packed MXFP4 (QUANT_ARGS, e.g. --decode-presets medium
     # --no-decode-compile: compiling two medium engines outlasted 200 s)
     qdecode) timeout ${T_QDECODE:-300} python3 benchmarks/bench_quant.py --sections decode ${QUANT_ARGS:-} --json "$L/bench_quant_decode.json" 2>&1 | tee "$L/bench_quant_decode.log" ;;
-    # post-training on small: SFT -> RL per effort -> MOPD -> partial rollout timing (issue 17's GPU run)
-    post)   timeout ${T_POST:-590} python3 benchmarks/post_demo.py --preset small --device cuda --sft-steps 3000 --rl-steps 200 --max-tokens 1024 --tasks parity,sorting --difficulty parity=16,sorting=8 --out /tmp/k3-post 2>&1 | tee "$L/post_demo.log" ;;
+    # post-training on small: SFT -> RL at max effort -> RL at low and high (issue 17's GPU run), sized for one
+    # call: a device call cannot carry a small checkpoint to the next one, so every stage must fit one step's limit
+    # (rollouts run eagerly in fp32: the engine's copy of the policy keeps its dtype); POST_ARGS replaces the sizes
+    post)   timeout ${T_POST:-590} python3 benchmarks/post_demo.py --preset small --device cuda --tasks parity,sorting --difficulty parity=16,sorting=8 --stages sft,rl,low ${POST_ARGS:---sft-steps 2000 --rl-steps 30 --low-steps 30 --max-tokens 256 --eval-problems 96} --out /tmp/k3-post 2>&1 | tee "$L/post_demo.log"
+            cp /tmp/k3-post/results.json /tmp/k3-post/*.png "$L/" 2>/dev/null ;;  # the figures, not the checkpoints
     # the KDA decode step's kernels alone: the fused kernel per V tile against fla-core's recurrence, CUDA-graph timed
     kdadec) timeout ${T_KDADEC:-120} python3 benchmarks/bench_kda.py --decode --json "$L/bench_kda_decode.json" 2>&1 | tee "$L/bench_kda_decode.log" ;;
     kda)    timeout ${T_KDA:-420} python3 benchmarks/bench_kda.py --json "$L/bench_kda.json" 2>&1 | tee "$L/bench_kda.log" ;;

@@ -32,7 +32,7 @@ def _router_kernel(X, W, BIAS, S, SB, WOUT, IOUT, COUNT, D, E, SCALING, NPROG: t
         acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
     s = tl.sigmoid(acc)
     tl.store(S + n * E + offs_e, s, mask=me)
-    tl.store(SB + n * E + offs_e, s + tl.load(BIAS + offs_e, mask=me, other=0.0), mask=me)
+    tl.store(SB + n * E + offs_e, s + tl.load(BIAS + offs_e, mask=me, other=0.0).to(tl.float32), mask=me)
     tl.debug_barrier()  # every thread's stores of this block are done before the arrival is counted
     arrived = tl.atomic_add(COUNT + n, 1, sem="acq_rel")
     if arrived == NPROG - 1:  # the last of the row: every block of scores is written

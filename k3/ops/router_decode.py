@@ -32,8 +32,8 @@ def router_decode_applies(x: torch.Tensor, k: int, score_func: str) -> bool:
 
 def router_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool,
                   scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [N,D], weight [E,D], bias [E] fp32 -> (weights [N,k] fp32, indices [N,k] int64, scores [N,E] fp32). A
-    custom op: torch.compile calls it as one opaque kernel. Also runs under TRITON_INTERPRET=1 on CPU."""
+    """x [N,D], weight [E,D], bias [E] (any float dtype) -> (weights [N,k] fp32, indices [N,k] int64, scores [N,E]
+    fp32). A custom op: torch.compile calls it as one opaque kernel. Also runs under TRITON_INTERPRET=1 on CPU."""
     if not 1 <= k <= weight.shape[0]:
         raise ValueError(f"num_experts_per_token must be in [1, num_experts={weight.shape[0]}], got {k}")
     return torch.ops.k3.router_decode(x, weight, bias, k, renormalize, float(scaling))
@@ -44,8 +44,8 @@ def _router_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k:
                    scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from ._router_decode_triton import router_decode_kernels
 
-    return router_decode_kernels(x.contiguous(), weight.contiguous(), bias.float().contiguous(), k, renormalize,
-                                 scaling)
+    # the bias in its own dtype (a bf16 model's: cast by .to with the rest), widened in the kernel: no copy per step
+    return router_decode_kernels(x.contiguous(), weight.contiguous(), bias.contiguous(), k, renormalize, scaling)
 
 
 @_router_decode.register_fake

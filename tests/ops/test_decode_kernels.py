@@ -229,12 +229,16 @@ def test_append_then_attend_kernels_match_the_reference():
 
 
 @needs_triton
-@pytest.mark.parametrize("E,k,renorm,scaling,N", [(32, 4, True, 1.0, 1), (8, 2, True, 2.5, 3), (40, 6, False, 1.7, 5)])
-def test_fused_router_decode_matches_the_router(E, k, renorm, scaling, N):
+@pytest.mark.parametrize("E,k,renorm,scaling,N,dtype", [(32, 4, True, 1.0, 1, torch.float32),
+                                                        (8, 2, True, 2.5, 3, torch.float32),
+                                                        (40, 6, False, 1.7, 5, torch.float32),
+                                                        (32, 4, True, 1.0, 2, torch.bfloat16)])
+def test_fused_router_decode_matches_the_router(E, k, renorm, scaling, N, dtype):
     """The one-launch router kernel gives the reference router's choice, weights and scores (the bias changes the
     choice, never the weights); indices compared as sets, the reference's top-k being unordered. Its programs hand
     the top-k to the last of each token's E/4 to arrive: a second call (its counters reset by the first) gives
-    the same."""
+    the same. A bf16 model (its bias cast with it by ``.to``) is read as it is: the kernel widens the bias as the
+    reference's fp32 sum does."""
     from k3 import K3Config
     from k3.layers.width.router import Router
     from k3.ops.router_decode import router_decode
@@ -244,7 +248,9 @@ def test_fused_router_decode_matches_the_router(E, k, renorm, scaling, N):
                                           routed_scaling_factor=scaling)
     router = Router(cfg).to(DEV)
     router.e_score_correction_bias.copy_(torch.randn(E) * 0.05)
-    x = torch.randn(N, cfg.hidden_size, device=DEV)
+    router = router.to(dtype)
+    assert router.e_score_correction_bias.dtype == dtype
+    x = torch.randn(N, cfg.hidden_size, device=DEV, dtype=dtype)
     w_ref, i_ref, s_ref = router(x)  # on CPU (and with a gradient) the reference path runs
     with torch.no_grad():
         w, i, s = router_decode(x, router.weight, router.e_score_correction_bias, k, renorm, scaling)

@@ -10,8 +10,9 @@ steps are timed (tokens/s = batch / step time; the step is the engine's whole st
 graph replays, sampling, detokenisation). Rows: the hybrid model (3 KDA : 1 MLA) at every batch and long
 context; the same model with every layer MLA at the long contexts; the hybrid decoding eagerly (no graphs) at
 batch 1; the hybrid with synchronous scheduling (each step's results read before the next is planned) at the
-smallest and largest batch, beside the default asynchronous one. Peer: a 12-layer dense transformer of the same width (hidden, heads, SwiGLU MLP, RMSNorm, vocabulary),
-its KV cache as static buffers, ``torch.compile``d and captured as a CUDA graph per batch (gpt-fast's recipe).
+smallest and largest batch, beside the default asynchronous one. Peer: a 12-layer dense transformer of the same
+width (hidden, heads, SwiGLU MLP, RMSNorm, vocabulary), its KV cache as static buffers, ``torch.compile``d and
+captured as a CUDA graph per batch (gpt-fast's recipe).
 Bytes/s: the weights a step must read (every non-expert weight, the LM head, and the experts the batch can
 reach: min(E, B*k) of E per layer) plus the cache it reads (MLA latents) and reads + writes (KDA states), over
 the step time, against the H200's ~4.3 TB/s.
@@ -324,7 +325,8 @@ def main():
             for ctx in longs:
                 rate, dt, _, _ = decode_rate(eng, ctx, args.long_batch, args.steps)
                 record({"model": "k3 hybrid", "batch": args.long_batch, "context": ctx, "tokens_per_s": rate,
-                        "step_ms": dt * 1e3, "bytes_per_s": step_bytes(eng.model, eng.layout, args.long_batch, ctx) / dt,
+                        "step_ms": dt * 1e3,
+                        "bytes_per_s": step_bytes(eng.model, eng.layout, args.long_batch, ctx) / dt,
                         "cache_bytes_per_request": eng.layout.kda_state_bytes + ctx * eng.layout.mla_bytes_per_token})
         if "ttft" in sections:
             g = torch.Generator().manual_seed(1)
@@ -392,8 +394,9 @@ def summarise(rows, args):
             sp = r.get("step_spread_ms")
             spread = f"{sp['min']:.3f} / {sp['median']:.3f} / {sp['max']:.3f}" if sp else ""
             if sp and sp["max"] > 5 * sp["median"]:
-                spread += (f" (slowest: step {sp['slowest_step']}, during it {sp['during_slowest'] or 'nothing counted'}"
-                           f"; allocator over the window: {sp['allocator_during_window'] or 'nothing'})")
+                spread += (f" (slowest: step {sp['slowest_step']}, during it "
+                           f"{sp['during_slowest'] or 'nothing counted'}; allocator over the window: "
+                           f"{sp['allocator_during_window'] or 'nothing'})")
             print(f"| {r['model']} | {r['batch']} | {r['context']:,} | {r['tokens_per_s']:,.0f} | "
                   f"{r.get('step_ms', float('nan')):.3f} | {spread} | {bw} |")
     k3 = {(r["batch"], r["context"]): r["tokens_per_s"] for r in rows if r.get("model") == "k3 hybrid" and "batch" in r}

@@ -148,10 +148,12 @@ def main():
             Path(args.json).write_text(json.dumps({**header(), "rows": rows}, indent=2))
     out = {**header(), "rows": rows}
     print(json.dumps(out, indent=2))
-    print("\n| shape | fla fwd | fla fwd+bwd | reference fwd | reference fwd+bwd | SDPA fwd | SDPA fwd+bwd | ref/fla fwd | SDPA/fla fwd |")
+    print("\n| shape | fla fwd | fla fwd+bwd | reference fwd | reference fwd+bwd | SDPA fwd | SDPA fwd+bwd | "
+          "ref/fla fwd | SDPA/fla fwd |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['shape']} | {r['fla_fwd_ms']:.2f} ms | {r['fla_fwdbwd_ms']:.2f} ms | {r['torch_ref_fwd_ms']:.2f} ms | "
+        print(f"| {r['shape']} | {r['fla_fwd_ms']:.2f} ms | {r['fla_fwdbwd_ms']:.2f} ms | "
+              f"{r['torch_ref_fwd_ms']:.2f} ms | "
               f"{r['torch_ref_fwdbwd_ms']:.2f} ms | {r['sdpa_fwd_ms']:.2f} ms | {r['sdpa_fwdbwd_ms']:.2f} ms | "
               f"{r['torch_ref_fwd_ms'] / r['fla_fwd_ms']:.1f}x | {r['sdpa_fwd_ms'] / r['fla_fwd_ms']:.2f}x |")
     if args.json:

@@ -40,7 +40,8 @@ def header() -> dict:
     commit = os.environ.get("K3_COMMIT", "")  # set it where the tree is a copy whose .git may be stale
     if not commit:
         try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip()
         except OSError:
             commit = ""
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"

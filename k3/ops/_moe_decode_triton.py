@@ -80,8 +80,7 @@ def moe_decode_kernels(z, weights, idx, w1, w3, w2, situ: bool, b1: float, b2: f
     part = torch.empty(N * k, L, dtype=torch.float32, device=z.device)
     block_i, block_l = 16, min(128, triton.next_power_of_2(L))  # small blocks: enough programs at one token
     _up_kernel[(N * k, triton.cdiv(I, block_i))](z, idx, w1, w3, h, L, I, z.stride(0), w1.stride(0), b1, b2, K_TOP=k,
-                                                 SITU=situ,
-                                                 BLOCK_I=block_i, BLOCK_L=block_l, num_warps=4)
+                                                 SITU=situ, BLOCK_I=block_i, BLOCK_L=block_l, num_warps=4)
     block_l2, block_i2 = 8, min(128, triton.next_power_of_2(I))  # one program per (routed row, 8 outputs)
     _down_kernel[(N * k, triton.cdiv(L, block_l2))](h, idx, weights, w2, part, L, I, w2.stride(0), BLOCK_L=block_l2,
                                                      BLOCK_I=block_i2, num_warps=4)

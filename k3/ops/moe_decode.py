@@ -10,8 +10,9 @@ is the reference and what training runs. For a decode step's few rows its ~15 sm
 than the arithmetic, so on CUDA two Triton kernels do it straight from the routing indices: one matrix-vector
 product per (row, expert) reading that expert's rows of W1/W3 with the activation fused, then one per (row, expert)
 with its W2 and the routing weight fused, and a sum over each token's k rows (a fixed order: deterministic). Both
-kernels spread a token's k experts over programs, so one token still fills the GPU. Products are rounded to the weights' dtype where the grouped
-matmul's outputs are (before the activation, before the weighting), so the two paths agree to summation order.
+kernels spread a token's k experts over programs, so one token still fills the GPU. Products are rounded to the
+weights' dtype where the grouped matmul's outputs are (before the activation, before the weighting), so the two
+paths agree to summation order.
 No gradient: inference only.
 """
 

@@ -1,7 +1,8 @@
 """The decode kernels against their references: paged MLA decode (our Triton kernel), the whole KDA decode step
-(our fused Triton kernel), the fused expert and router kernels. Triton kernels run in Triton's interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET=1 where there is no GPU), so these
-run in CI; on a GPU they run compiled. Each reference is itself tied to the model: the decode reference, step by
-step, equals the KDA layer's forward over the whole sequence."""
+(our fused Triton kernel), the fused expert and router kernels. Triton kernels run in Triton's interpreter on
+CPU (tests/conftest.py sets TRITON_INTERPRET=1 where there is no GPU), so these run in CI; on a GPU they run
+compiled. Each reference is itself tied to the model: the decode reference, step by step, equals the KDA layer's
+forward over the whole sequence."""
 
 import importlib.util
 
@@ -93,8 +94,8 @@ def test_fused_kda_decode_kernel_matches_reference_in_place(B, K, block_v, rf, g
     fp32 to float rounding (1e-5 relative); with bf16 inputs both compute in fp32 (states to the same 1e-5) and
     round o to bf16, where a value may land one bf16 step (2^-7 relative) apart: o to 1e-2 relative. With the
     projection in the kernel and bf16, f too may round one bf16 step apart (its sum runs in another order), which
-    moves that channel's decay: states to 5e-3 (of values ~1), o to 2e-3. The tails are the inputs themselves, shifted:
-    exactly equal in either dtype."""
+    moves that channel's decay: states to 5e-3 (of values ~1), o to 2e-3. The tails are the inputs themselves,
+    shifted: exactly equal in either dtype."""
     from k3.ops.kda.decode import kda_decode_fused
 
     P = 6

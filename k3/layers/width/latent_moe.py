@@ -21,7 +21,7 @@ from ...ops.moe_decode import decode_applies, expert_decode
 from ...ops.mx import fake_quant_mxfp4, fake_quant_mxfp8
 from ...ops.routing import bincount
 from ...ops.situ import glu
-from ..fuse import fuse_linears, fuse_linears_by_input, use_fused
+from ..fuse import fuse_linears, use_fused
 from ..norm import RMSNorm
 from ..regions import region
 from .mlp import GatedMLP
@@ -125,7 +125,7 @@ class LatentMoE(nn.Module):
             self.shared_experts.in_proj = self.in_proj[-sum(self._in_sizes[-2:]):]
             self.shared_experts._in_sizes = self._in_sizes[-2:]
         if self.shared_experts is not None and self.routed_expert_up_proj is not None:
-            self.out_proj, _ = fuse_linears_by_input([self.routed_expert_up_proj, self.shared_experts.down_proj])
+            self.out_proj, _ = fuse_linears([self.routed_expert_up_proj, self.shared_experts.down_proj], by_input=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -84,11 +84,9 @@ def kda_decode(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, 
     """One decode step, in place; same arguments as ``kda_decode_reference``. Which kernel runs: see the module
     docstring (the fused kernel on CUDA, the reference elsewhere or with backend "torch")."""
     args = (q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind, lower_bound, scale)
-    if _wants_reference(backend, q):
+    if _wants_reference(backend, q) or not triton_available():
         return kda_decode_reference(*args, f_b_weight=f_b_weight)
-    if triton_available():
-        return kda_decode_fused(*args, f_b_weight=f_b_weight)
-    return kda_decode_reference(*args, f_b_weight=f_b_weight)
+    return kda_decode_fused(*args, f_b_weight=f_b_weight)
 
 
 def kda_decode_fused(q, k, v, f, b, conv_weights, A_log, dt_bias, state, conv, index, gate_kind: str = "lower_bound",

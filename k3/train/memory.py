@@ -95,23 +95,26 @@ class SavedStats:
     recompute_input_bytes: int = 0
     _refs: list = field(default_factory=list, repr=False)
 
+    _input_storages: set = field(default_factory=set, repr=False)
+
     def keep(self, t: torch.Tensor, recompute_input: bool = False) -> None:
-        self._refs.append((weakref.ref(t), recompute_input))
+        if recompute_input:  # (the region's checkpoint saves it too, so its storage lives to the end of the forward)
+            self._input_storages.add(t.untyped_storage().data_ptr())
+        else:
+            self._refs.append(weakref.ref(t))
 
     def _finish(self) -> None:
-        kept, inputs = {}, set()
-        for ref, recompute_input in self._refs:
+        kept = {}
+        for ref in self._refs:
             t = ref()
             if t is None:
                 continue
             ptr = t.untyped_storage().data_ptr()  # all alive: one pointer, one storage
             if ptr:
                 kept[ptr] = _nbytes(t)
-                if recompute_input:
-                    inputs.add(ptr)
         self.kept_bytes = sum(kept.values())
-        self.recompute_input_bytes = sum(kept[p] for p in inputs)
-        self._refs = []
+        self.recompute_input_bytes = sum(n for p, n in kept.items() if p in self._input_storages)
+        self._refs, self._input_storages = [], set()
 
 
 def _host_copy(base: torch.Tensor, target: torch.device) -> torch.Tensor:
@@ -199,6 +202,11 @@ class ActivationManager:
                 self._host[base] = (host, base._version)
                 self.stats.offloaded_bytes += _nbytes(host)
             return _Offloaded(host, t, base)
+        # a detached alias (same storage and version counter), not ``t``: a node that saves its own output would
+        # otherwise hold ``t``, which holds the node (its grad_fn), a cycle through C++ that Python's collector
+        # cannot see; a backward breaks it by freeing the saved tensors, but a forward that fails (out of memory)
+        # or is never differentiated would keep every activation of the step alive
+        t = t.detach()
         self.stats.keep(t)
         return t
 

@@ -72,3 +72,33 @@ def test_prefill_then_eager_decode_match_the_full_forward(backend):
         worst.append(max(row))
     eng.stop()
     assert max(errs) < 1e-3 and max(worst) < 1e-3, (errs, worst)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@torch.no_grad()
+def test_bf16_absorbed_mla_weights_equal_the_widened_fp32_products(compiled):
+    """A bf16 GatedMLA's absorb / unabsorb on CUDA (one bmm with fp32 accumulation and output, W read as stored)
+    against the fp32 einsums of the widened operands: the same products (bf16 x bf16 is exact in fp32), summed in
+    another order. unabsorb first rounds o_lat to bf16 (as the naive path's bf16 attention output is): against
+    the rounded input it is exact up to summation order, against the unrounded within bf16's rounding. Compiled as
+    the decode graphs compile it, too."""
+    from k3.layers.sequence.mla import GatedMLA
+
+    torch.manual_seed(0)
+    cfg = K3Config.preset("small")
+    layer = GatedMLA(cfg).cuda().to(torch.bfloat16).eval()
+    H, R = cfg.num_attention_heads, cfg.kv_lora_rank
+    w_uk, w_uv = (w.float() for w in layer.absorbed_weights())
+    absorb = torch.compile(layer.absorb, fullgraph=True) if compiled else layer.absorb
+    unabsorb = torch.compile(layer.unabsorb, fullgraph=True) if compiled else layer.unabsorb
+    for B, T in ((1, 1), (8, 1), (2, 5)):
+        q = torch.randn(B, T, H, cfg.qk_nope_head_dim, device="cuda", dtype=torch.bfloat16)
+        q_lat = absorb(q)
+        assert q_lat.dtype == torch.float32 and q_lat.shape == (B, T, H, R)
+        assert _rel(q_lat, torch.einsum("bthn,hnr->bthr", q.float(), w_uk)) < 1e-6
+        o_lat = torch.randn(B, T, H, R, device="cuda")
+        o = unabsorb(o_lat)
+        assert o.dtype == torch.float32 and o.shape == (B, T, H * cfg.v_head_dim)
+        rounded = torch.einsum("bthr,hvr->bthv", o_lat.bfloat16().float(), w_uv).reshape(B, T, -1)
+        assert _rel(o, rounded) < 1e-6
+        assert _rel(o, torch.einsum("bthr,hvr->bthv", o_lat, w_uv).reshape(B, T, -1)) < 2**-8

@@ -28,6 +28,11 @@ from ..norm import RMSNorm
 from .rope import rope_frequencies, rotary, softmax_scale
 
 
+def _low_precision_cuda(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Both CUDA tensors of one 16-bit float dtype: ``torch.bmm(..., out_dtype=torch.float32)`` applies."""
+    return a.is_cuda and a.dtype == w.dtype and a.dtype in (torch.bfloat16, torch.float16)
+
+
 class MLAInputs(NamedTuple):
     """Everything a GatedMLA layer computes from its input x [B,T,D] before attention."""
 
@@ -225,14 +230,25 @@ class GatedMLA(nn.Module):
         return w[:, : self.nope], w[:, self.nope:]
 
     def absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
-        """q_nope [B,T,H,Dn] -> q_lat [B,T,H,R] fp32: W_uk folded into the query, so scores are q_lat . c_kv."""
+        """q_nope [B,T,H,Dn] -> q_lat [B,T,H,R] fp32: W_uk folded into the query, so scores are q_lat . c_kv.
+        bf16/fp16 operands on CUDA: one batched matmul with fp32 accumulation and output (``out_dtype``), the same
+        products and sums as the fp32 einsum of the widened operands, without widening W_uk in every decode step."""
         w_uk, _ = self.absorbed_weights()
+        if _low_precision_cuda(q_nope, w_uk):
+            B, T, H, Dn = q_nope.shape
+            q = q_nope.reshape(B * T, H, Dn).transpose(0, 1)  # [H,BT,Dn]
+            return torch.bmm(q, w_uk, out_dtype=torch.float32).transpose(0, 1).reshape(B, T, H, -1)
         return torch.einsum("bthn,hnr->bthr", q_nope.float(), w_uk.float())
 
     def unabsorb(self, o_lat: torch.Tensor) -> torch.Tensor:
-        """o_lat [B,T,H,R] (attention output in the latent space) -> o [B,T,H*Dv] fp32: W_uv applied after."""
-        B, T = o_lat.shape[:2]
+        """o_lat [B,T,H,R] (attention output in the latent space) -> o [B,T,H*Dv] fp32: W_uv applied after.
+        A bf16/fp16 W_uv on CUDA: o_lat is rounded to W_uv's dtype (as the naive path's bf16 attention output is)
+        and multiplied with fp32 accumulation and output, W_uv read as stored."""
+        B, T, H, R = o_lat.shape
         _, w_uv = self.absorbed_weights()
+        if _low_precision_cuda(w_uv, w_uv):
+            o = o_lat.to(w_uv.dtype).reshape(B * T, H, R).transpose(0, 1)  # [H,BT,R]
+            return torch.bmm(o, w_uv.transpose(1, 2), out_dtype=torch.float32).transpose(0, 1).reshape(B, T, -1)
         return torch.einsum("bthr,hvr->bthv", o_lat.float(), w_uv.float()).reshape(B, T, -1)
 
     def attend_latent(self, inp: MLAInputs, c_kv: torch.Tensor, k_pe: torch.Tensor,

@@ -5,7 +5,16 @@ bodies and stream chunks), stream.py (engine thread -> asyncio bridge, cancel on
 chat template).
 """
 
-from .app import create_app, run_server
 from .chat import ChatTemplate
 
 __all__ = ["create_app", "run_server", "ChatTemplate"]
+
+
+def __getattr__(name: str):
+    """The HTTP app is imported on first use: the chat template (post-training, the CLI) needs no web server
+    importable (a GPU box with torch alone can post-train)."""
+    if name in ("create_app", "run_server"):
+        from . import app
+
+        return getattr(app, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,7 +9,8 @@
 #   TESTS replaces the tests step's test files (pytest arguments).
 #   TRAIN_ARGS replaces trainc's extra bench_train arguments (default: --memory-policy efficient).
 #   DECODE_ARGS adds bench_decode arguments (e.g. --sections k3,ttft,peer --batches 1,32); QUANT_ARGS adds
-#   bench_quant arguments (e.g. --decode-presets small,medium); POST_ARGS replaces post's sizes (post_demo arguments).
+#   bench_quant arguments (e.g. --decode-presets small,medium); POST_ARGS replaces post's sizes (post_demo arguments);
+#   MEMORY_ARGS replaces memory's batch and length (bench_memory arguments).
 set -u
 OUT=${OUT:-/tmp/k3-gpu}
 mkdir -p "$OUT/logs"
@@ -47,8 +48,9 @@ for s in $steps; do
     trainc) timeout ${T_TRAINC:-590} python3 benchmarks/bench_train.py --compile ${TRAIN_ARGS:---memory-policy efficient} --json "$L/bench_train_compile.json" 2>&1 | tee "$L/bench_train_compile.log" ;;
     # one profiled step per row: top kernels and the device's idle gaps, into logs/profile/
     profile) timeout ${T_PROFILE:-590} python3 benchmarks/bench_train.py --steps 3 --profile "$L/profile" --json "$L/bench_train_profile.json" 2>&1 | tee "$L/bench_train_profile.log" ;;
-    # peak memory per activation policy, medium at 8 x 4096 tokens
-    memory) timeout ${T_MEMORY:-590} python3 benchmarks/bench_memory.py --preset medium --batch 8 --seq-len 4096 --json "$L/bench_memory.json" 2>&1 | tee "$L/bench_memory.log" ;;
+    # peak memory per activation policy, medium at 2 x 4096 tokens (at 8 x 4096 eager layers fit neither keep nor
+    # efficient; MEMORY_ARGS replaces the size)
+    memory) timeout ${T_MEMORY:-590} python3 benchmarks/bench_memory.py --preset medium ${MEMORY_ARGS:---batch 2 --seq-len 4096} --json "$L/bench_memory.json" 2>&1 | tee "$L/bench_memory.log" ;;
     cp)     timeout ${T_CP:-420} python3 benchmarks/bench_cp.py --json "$L/bench_cp.json" 2>&1 | tee "$L/bench_cp.log" ;;
     # packed documents: MLA's length groups and the unpadded short conv against padded rows, on the GPU
     packed) timeout ${T_PACKED:-300} python3 benchmarks/bench_packed.py --ops mla,conv --batches 3 --json "$L/bench_packed.json" 2>&1 | tee "$L/bench_packed.log" ;;
@@ -59,8 +61,9 @@ for s in $steps; do
     qdecode) timeout ${T_QDECODE:-300} python3 benchmarks/bench_quant.py --sections decode ${QUANT_ARGS:-} --json "$L/bench_quant_decode.json" 2>&1 | tee "$L/bench_quant_decode.log" ;;
     # post-training on small: SFT -> RL at max effort -> RL at low and high (issue 17's GPU run), sized for one
     # call: a device call cannot carry a small checkpoint to the next one, so every stage must fit one step's limit
-    # (rollouts run eagerly in fp32: the engine's copy of the policy keeps its dtype); POST_ARGS replaces the sizes
-    post)   timeout ${T_POST:-590} python3 benchmarks/post_demo.py --preset small --device cuda --tasks parity,sorting --difficulty parity=16,sorting=8 --stages sft,rl,low ${POST_ARGS:---sft-steps 2000 --rl-steps 30 --low-steps 30 --max-tokens 256 --eval-problems 96} --out /tmp/k3-post 2>&1 | tee "$L/post_demo.log"
+    # (rollouts run eagerly in fp32: the engine's copy of the policy keeps its dtype); POST_ARGS replaces the sizes.
+    # SFT in batches of 64 x 128 tokens: at 8 (the CPU default) the eager step is launch-bound at ~3.5K tokens/s
+    post)   timeout ${T_POST:-590} python3 benchmarks/post_demo.py --preset small --device cuda --tasks parity,sorting --difficulty parity=16,sorting=8 --stages sft,rl,low ${POST_ARGS:---sft-batch 64 --sft-steps 300 --rl-steps 30 --low-steps 30 --max-tokens 256 --eval-problems 96} --out /tmp/k3-post 2>&1 | tee "$L/post_demo.log"
             cp /tmp/k3-post/results.json /tmp/k3-post/*.png "$L/" 2>/dev/null ;;  # the figures, not the checkpoints
     # the KDA decode step's kernels alone: the fused kernel per V tile against fla-core's recurrence, CUDA-graph timed
     kdadec) timeout ${T_KDADEC:-120} python3 benchmarks/bench_kda.py --decode --json "$L/bench_kda_decode.json" 2>&1 | tee "$L/bench_kda_decode.log" ;;

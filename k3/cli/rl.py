@@ -46,6 +46,10 @@ def add_rl_arguments(p, distill: bool = False) -> None:
     p.add_argument("--beta", type=number(0), default=0.0, help="KL-to-reference coefficient (0: reference-free)")
     p.add_argument("--eval-problems", type=positive_int, default=32, help="held-out problems per task and effort")
     p.add_argument("--micro-tokens", type=positive_int, default=4096, help="packed tokens per micro-batch")
+    p.add_argument("--rollout-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="the rollout engine's copy of the weights; auto: bfloat16 on CUDA (CUDA graphs; its "
+                        "log-probs, recorded at sampling, then differ from the fp32 policy's by rounding), else "
+                        "the policy's dtype")
     if distill:
         p.add_argument("--teacher", action="append", default=[], metavar="TASK:EFFORT=CHECKPOINT", required=True,
                        help="a teacher per (task, effort), e.g. arithmetic:max=runs/rl-max/checkpoint")
@@ -84,7 +88,8 @@ def rl_config(args, distill: bool = False):
     return RLConfig(train=train, tasks=args.tasks, efforts=args.efforts, samples=args.samples, prompts=args.prompts,
                     max_tokens=args.max_tokens, chunk=args.chunk, reencode=args.reencode, eps_low=args.eps_low,
                     eps_high=args.eps_high, beta=args.beta, eval_every=args.eval_every,
-                    eval_problems=args.eval_problems, micro_tokens=args.micro_tokens, **extra)
+                    eval_problems=args.eval_problems, micro_tokens=args.micro_tokens,
+                    rollout_dtype=args.rollout_dtype, **extra)
 
 
 def run(args, distill: bool = False) -> int:

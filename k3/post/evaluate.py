@@ -25,9 +25,9 @@ def ask(rollout: Rollout, fmt: ChatFormat, problems, effort: str | None, seed: i
 
 
 def evaluate_policy(model, tokenizer, tasks: dict, efforts, n: int, max_tokens: int = 256, temperature: float = 0.0,
-                    seed: int = 0) -> dict[str, dict[str, float]]:
+                    seed: int = 0, dtype: str = "auto") -> dict[str, dict[str, float]]:
     fmt = ChatFormat(tokenizer)
-    rollout = Rollout(model, tokenizer, fmt.stop, max_tokens, version=0, temperature=temperature)
+    rollout = Rollout(model, tokenizer, fmt.stop, max_tokens, version=0, temperature=temperature, dtype=dtype)
     out = {}
     for name, task in tasks.items():
         problems = task.generate("test", n, seed)

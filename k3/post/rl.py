@@ -39,7 +39,7 @@ from .evaluate import ask, evaluate_policy
 from .format import ChatFormat
 from .tasks.base import check_effort
 from .objective import budget_reward, group_advantages, mopd_token_rewards, policy_loss
-from .rollout import Rollout, Trajectory
+from .rollout import ROLLOUT_DTYPES, Rollout, Trajectory
 
 __all__ = ["RLConfig", "rl_train"]
 
@@ -70,6 +70,7 @@ class RLConfig:
     eval_temperature: float = 0.0
     teachers: dict = field(default_factory=dict)  # MOPD: "domain:effort" -> checkpoint directory
     r_max: float = 5.0  # MOPD's reward clip
+    rollout_dtype: str = "auto"  # the engine's copy of the weights (k3.post.rollout.ROLLOUT_DTYPES; auto: bf16 on CUDA)
 
     def __post_init__(self):
         def need(ok, name, what):
@@ -84,6 +85,7 @@ class RLConfig:
         need(bool(self.tasks) and bool(self.efforts), "tasks", "and efforts must be non-empty")
         for e in self.efforts:
             check_effort(e)
+        need(self.rollout_dtype in ROLLOUT_DTYPES, "rollout_dtype", f"must be one of {sorted(ROLLOUT_DTYPES)}")
         need(self.train.init_from is not None, "train", "needs init_from: RL starts from an SFT checkpoint")
         need(self.train.dp == self.train.cp == self.train.ep == 1, "train",
              "runs in one process: dp, cp and ep must be 1")
@@ -117,7 +119,7 @@ class _Prompts:
 
 def _calibrate(model, tok, fmt, cfg: RLConfig, tasks: dict) -> dict[str, BudgetLine]:
     """b0 per task from the reference model's replies at max effort (k3.post.effort)."""
-    rollout = Rollout(model, tok, fmt.stop, cfg.max_tokens, version=0)
+    rollout = Rollout(model, tok, fmt.stop, cfg.max_tokens, version=0, dtype=cfg.rollout_dtype)
     lines = {}
     for name, task in tasks.items():
         problems = task.generate("train", cfg.budget_prompts, _seed(cfg.train.seed, 1 << 40))
@@ -183,7 +185,7 @@ def rl_train(cfg: RLConfig, tasks: dict | None = None, log=print) -> dict:
     (run / "run_info.json").write_text(json.dumps({"command": "distill" if teachers else "rl",
                                                    "rl_config": cfg.to_json()}, indent=2) + "\n")
     step, end = trainer.step_count, min(tcfg.steps, tcfg.stop_after or tcfg.steps)
-    rollout = Rollout(model, tok, fmt.stop, cfg.max_tokens, version=step)  # one engine for the run
+    rollout = Rollout(model, tok, fmt.stop, cfg.max_tokens, version=step, dtype=cfg.rollout_dtype)  # one engine
     last = {}
     while step < end:
         t0 = time.time()
@@ -227,7 +229,7 @@ def rl_train(cfg: RLConfig, tasks: dict | None = None, log=print) -> dict:
                    rollout_tokens=drawn, rollout_s=t_roll, step_s=time.time() - t0)
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == tcfg.steps):
             for k, v in evaluate_policy(model, tok, tasks, cfg.efforts, cfg.eval_problems, cfg.max_tokens,
-                                        cfg.eval_temperature, tcfg.seed).items():
+                                        cfg.eval_temperature, tcfg.seed, cfg.rollout_dtype).items():
                 rec[f"eval_accuracy/{k}"], rec[f"eval_length/{k}"] = v["accuracy"], v["length"]
             model.train()
         metrics.write(rec)

@@ -61,7 +61,7 @@ for s in $steps; do
     qdecode) timeout ${T_QDECODE:-300} python3 benchmarks/bench_quant.py --sections decode ${QUANT_ARGS:-} --json "$L/bench_quant_decode.json" 2>&1 | tee "$L/bench_quant_decode.log" ;;
     # post-training on small: SFT -> RL at max effort -> RL at low and high (issue 17's GPU run), sized for one
     # call: a device call cannot carry a small checkpoint to the next one, so every stage must fit one step's limit
-    # (rollouts run eagerly in fp32: the engine's copy of the policy keeps its dtype); POST_ARGS replaces the sizes.
+    # (rollouts in bf16 under CUDA graphs, --rollout-dtype auto); POST_ARGS replaces the sizes.
     # SFT in batches of 64 x 128 tokens: at 8 (the CPU default) the eager step is launch-bound at ~3.5K tokens/s
     post)   timeout ${T_POST:-590} python3 benchmarks/post_demo.py --preset small --device cuda --tasks parity,sorting --difficulty parity=16,sorting=8 --stages sft,rl,low ${POST_ARGS:---sft-batch 64 --sft-steps 300 --rl-steps 30 --low-steps 30 --max-tokens 256 --eval-problems 96} --out /tmp/k3-post 2>&1 | tee "$L/post_demo.log"
             cp /tmp/k3-post/results.json /tmp/k3-post/*.png "$L/" 2>/dev/null ;;  # the figures, not the checkpoints

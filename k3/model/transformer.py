@@ -76,20 +76,22 @@ def _checkpointed(layer: DecoderLayer, stream: DepthStream, cu_seqlens) -> None:
     from torch.utils.checkpoint import checkpoint
 
     n_blocks, had_partial = len(stream.blocks), stream.partial is not None
-    state = (list(stream.blocks), stream.partial, stream.sublayer)
+    mode, block_size, eps, sublayer = stream.mode, stream.block_size, stream.eps, stream.sublayer
 
+    # ``run`` closes over plain values only, never ``stream``: the checkpoint's node keeps ``run``, and a stream
+    # holding the node's own outputs would make a cycle through C++ that outlives a forward that fails
     def run(*tensors):
         s = DepthStream.__new__(DepthStream)
-        s.mode, s.block_size, s.eps = stream.mode, stream.block_size, stream.eps
-        s.blocks, s.partial, s.sublayer = list(tensors[:n_blocks]), tensors[n_blocks] if had_partial else None, state[2]
+        s.mode, s.block_size, s.eps = mode, block_size, eps
+        s.blocks, s.partial, s.sublayer = list(tensors[:n_blocks]), tensors[n_blocks] if had_partial else None, sublayer
         layer(s, cu_seqlens)
         return (*s.blocks[n_blocks:], s.partial)
 
-    inputs = state[0] + ([state[1]] if had_partial else [])
-    outs = checkpoint(run, *inputs, use_reentrant=False)
-    stream.blocks = state[0] + list(outs[:-1])
+    blocks = list(stream.blocks)
+    outs = checkpoint(run, *blocks, *([stream.partial] if had_partial else []), use_reentrant=False)
+    stream.blocks = blocks + list(outs[:-1])
     stream.partial = outs[-1]
-    stream.sublayer = state[2] + 2
+    stream.sublayer = sublayer + 2
 
 
 class K3ForCausalLM(nn.Module):

@@ -25,10 +25,11 @@ trajectory continued over several rounds or steps is token for token the one wri
 looked for in the whole reply, not only in the last chunk).
 
 Precision: the engine holds its own copy of the weights, by default in bf16 on CUDA (where the engine then
-decodes under CUDA graphs, ~40x the eager step) and in the policy's dtype elsewhere. A bf16 sampler is not the
-fp32 policy: the recorded log-probabilities are the bf16 copy's, so the objective's ratio pi_theta / pi_sampler
-also carries the rounding gap between the two (clipped like any other off-policy ratio), as in RL systems that
-sample with a bf16 server and train fp32 master weights. ``dtype=torch.float32`` samples from the policy exactly.
+decodes under CUDA graphs instead of paying the eager step's host work) and in the policy's dtype elsewhere. A
+bf16 sampler is not the fp32 policy: the recorded log-probabilities are the bf16 copy's, so the objective's ratio
+pi_theta / pi_sampler also carries the rounding gap between the two (clipped like any other off-policy ratio), as
+in RL systems that sample with a bf16 server and train fp32 master weights. ``dtype=torch.float32`` samples from
+the policy exactly.
 """
 
 from __future__ import annotations
@@ -105,9 +106,12 @@ class Rollout:
 
         self.tokenizer, self.stop, self.max_tokens, self.version = tokenizer, tuple(stop), max_tokens, version
         self.eos, self.temperature = eos_id(tokenizer), temperature  # training rollouts: 1 (see the docstring)
+        # compile=False: CUDA graphs (with a bf16 copy on CUDA) of the eager decode step; a run builds several
+        # engines (budget calibration, the run's own, each evaluation), and compiling each would cost more than
+        # it saves over the few thousand decode steps of an RL run
         self.engine = Engine(policy_copy(policy, dtype), tokenizer, engine_config or EngineConfig(
             page_tokens=512, num_pages=520, max_batch=256, step_tokens=8192, async_scheduling=False,
-            prefix_cache=False))
+            prefix_cache=False, compile=False))
         if self.engine.async_scheduling:
             raise ValueError("Rollout needs EngineConfig(async_scheduling=False): a token sampled by one policy "
                              "version must be delivered before the weights change")

@@ -3,14 +3,15 @@ PyTorch dense model of the same width under CUDA graphs, in one run.
 
     python benchmarks/bench_decode.py [--preset small] [--batches 1,8,32,64] [--context 2048]
         [--long-contexts 8192,32768,131072] [--long-batch 8] [--prefix 65536] [--steps 40]
-        [--sections k3,mla,peer,ttft,eager,sync] [--profile] [--json out.json]
+        [--sections k3,mla,peer,ttft,eager,sync,nocompile] [--profile] [--json out.json]
 
 k3: ``batch`` requests of ``context`` random prompt tokens are prefilled through the engine, then ``steps`` engine
 steps are timed (tokens/s = batch / step time; the step is the engine's whole step: scheduling, input copies,
 graph replays, sampling, detokenisation). Rows: the hybrid model (3 KDA : 1 MLA) at every batch and long
 context; the same model with every layer MLA at the long contexts; the hybrid decoding eagerly (no graphs) at
 batch 1; the hybrid with synchronous scheduling (each step's results read before the next is planned) at the
-smallest and largest batch, beside the default asynchronous one. Peer: a 12-layer dense transformer of the same
+smallest and largest batch, beside the default asynchronous one; ``nocompile`` (not in the default sections): CUDA
+graphs of the eager, uncompiled step at the smallest and largest batch (what RL rollouts run). Peer: a 12-layer dense transformer of the same
 width (hidden, heads, SwiGLU MLP, RMSNorm, vocabulary), its KV cache as static buffers, ``torch.compile``d and
 captured as a CUDA graph per batch (gpt-fast's recipe).
 Bytes/s: the weights a step must read (every non-expert weight, the LM head, and the experts the batch can
@@ -49,14 +50,15 @@ def sync(dev):
 
 # ---- k3 -------------------------------------------------------------------------------------------------------
 def build_engine(cfg, device, dtype, tok, tokens_needed: int, max_batch: int, graphs: bool | None = None,
-                 async_scheduling: bool | None = None):
+                 async_scheduling: bool | None = None, compile: bool | None = None):
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg.replace(vocab_size=cfg.vocab_size, num_nextn_predict_layers=0)).to(device, dtype).eval()
     kda_pages = PageLayout.from_config(model.config, 1024, dtype).kda_pages
     pages = math.ceil(tokens_needed / 1024) + max_batch * (kda_pages + 2) + 64
     return Engine(model, tok, EngineConfig(num_pages=pages, page_tokens=1024, hash_block=512, checkpoint_every=4,
                                            prefill_chunk=8192, step_tokens=16384, max_batch=max_batch,
-                                           max_context=1 << 21, cuda_graphs=graphs, compile=graphs,
+                                           max_context=1 << 21, cuda_graphs=graphs,
+                                           compile=graphs if compile is None else compile,
                                            async_scheduling=async_scheduling))
 
 
@@ -361,6 +363,15 @@ def main():
         for B in sorted({min(batches), max(batches)}):
             rate, dt, _, _ = decode_rate(eng, args.context, B, args.steps)
             record({"model": "k3 hybrid, synchronous scheduling", "batch": B, "context": args.context,
+                    "tokens_per_s": rate, "step_ms": dt * 1e3})
+        eng.stop()
+        del eng
+    if "nocompile" in sections:  # CUDA graphs of the eager step (what RL rollouts use: one engine per evaluation)
+        eng = build_engine(base, dev, dtype, tok, max(batches) * (args.context + args.steps + 16), max_b,
+                           compile=False)
+        for B in sorted({min(batches), max(batches)}):
+            rate, dt, _, _ = decode_rate(eng, args.context, B, args.steps)
+            record({"model": "k3 hybrid, graphs without compile", "batch": B, "context": args.context,
                     "tokens_per_s": rate, "step_ms": dt * 1e3})
         eng.stop()
         del eng

@@ -11,8 +11,8 @@ __all__ = ["create_app", "run_server", "ChatTemplate"]
 
 
 def __getattr__(name: str):
-    """The HTTP app is imported on first use: the chat template (post-training, the CLI) needs no web server
-    importable (a GPU box with torch alone can post-train)."""
+    """The HTTP app (fastapi, uvicorn) is imported on first use, so the chat template imports where they are not
+    installed (post-training on a machine with torch alone)."""
     if name in ("create_app", "run_server"):
         from . import app
 

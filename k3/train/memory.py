@@ -94,8 +94,7 @@ class SavedStats:
     offloaded_bytes: int = 0
     recompute_input_bytes: int = 0
     _refs: list = field(default_factory=list, repr=False)
-
-    _input_storages: set = field(default_factory=set, repr=False)
+    _input_storages: set = field(default_factory=set, repr=False)  # data pointers of recomputed regions' inputs
 
     def keep(self, t: torch.Tensor, recompute_input: bool = False) -> None:
         if recompute_input:  # (the region's checkpoint saves it too, so its storage lives to the end of the forward)

@@ -2,9 +2,10 @@
 
 What is compiled, per decoder layer (the MTP layer's too): the FFN (a LatentMoE: router, latent projections,
 dispatch, expert matmuls, combine, norm and shared experts; or the dense GatedMLP), KDA's gated per-head output
-norm, every "attn_res" region (``k3.layers.regions``: the AttnRes mix and the sub-layer's pre-norm) and every
-"kda_activations" region (the L2 norms, forget gate and beta between KDA's short convs and its recurrence). These are
-the parts made of many small elementwise and reduction kernels. The token mixers' kernels (fla's KDA, MLA's
+norm, every "attn_res" region (``k3.layers.regions``: the AttnRes mix and the sub-layer's pre-norm), every
+"kda_activations" region (the L2 norms, forget gate and beta between KDA's short convs and its recurrence) and the
+"lm_loss" region (a chunk's LM head and cross-entropy: the fp32 cast, log-softmax and gather fused over the bf16
+logits). These are the parts made of many small elementwise and reduction kernels. The token mixers' kernels (fla's KDA, MLA's
 attention over packed documents, which plans its groups on the host) stay eager: torchtitan compiles whole blocks,
 but a whole K3 layer carries a host-planned attention and the KDA reference's data-dependent loops.
 
@@ -36,14 +37,14 @@ def compiled_regions(model: nn.Module) -> list[nn.Module]:
 
 
 def compile_model(model: nn.Module, **options) -> None:
-    """Compile ``model``'s regions in place (``nn.Module.compile``: parameter names unchanged) and the "attn_res" and
-    "kda_activations" regions of every model in this process; ``options`` go to ``torch.compile``."""
+    """Compile ``model``'s regions in place (``nn.Module.compile``: parameter names unchanged) and the "attn_res",
+    "kda_activations" and "lm_loss" regions of every model in this process; ``options`` go to ``torch.compile``."""
     for m in compiled_regions(model):
         m.compile(**options)
     compiled = {}
 
     def compiler(name, fn):
-        if name not in ("attn_res", "kda_activations"):  # "moe_experts" runs inside a compiled FFN
+        if name not in ("attn_res", "kda_activations", "lm_loss"):  # "moe_experts" runs inside a compiled FFN
             return fn
         if fn not in compiled:
             compiled[fn] = torch.compile(fn, **options)

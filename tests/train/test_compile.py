@@ -47,6 +47,8 @@ def test_compiled_regions_give_the_eager_loss_and_gradients():
         compile_model(model)
         kinds = sorted(type(m).__name__ for m in compiled_regions(model))
         assert kinds == ["GatedMLP", "LatentMoE", "_HeadNorm"]
+        compiler, seen = set_region_compiler(None), set()
+        set_region_compiler(lambda name, fn: (seen.add(name), compiler(name, fn))[1])
         for _ in range(2):  # the compiling call, then the compiled graphs themselves
             loss, grads = loss_and_grads(model, ids, cu)
             # inductor may reorder fp32 sums: float rounding (measured 2e-7 absolute on the gradients)
@@ -54,6 +56,7 @@ def test_compiled_regions_give_the_eager_loss_and_gradients():
             assert set(grads) == set(ref_grads)
             for name, g in ref_grads.items():
                 assert_close(name, g, grads[name], 1e-5)
+        assert seen == {"attn_res", "kda_activations", "moe_experts", "lm_loss"}  # the compiler saw every region
     finally:
         set_region_compiler(previous)
         torch.set_num_threads(threads)

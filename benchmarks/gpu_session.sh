@@ -36,7 +36,7 @@ TR="python3 -m torch.distributed.run --nproc_per_node"
 steps=${*:-tests serve train cp}
 for s in $steps; do
   case $s in
-    tests)  timeout ${T_TESTS:-420} python3 -m pytest -q -p no:cacheprovider -W ignore ${TESTS:-tests/gpu/test_fla.py tests/gpu/test_train_gpu.py tests/gpu/test_vision_gpu.py} 2>&1 | tee "$L/gpu_tests.log" ;;
+    tests)  timeout ${T_TESTS:-420} python3 -m pytest -q -p no:cacheprovider -W ignore ${TESTS:-tests/gpu/test_fla.py tests/gpu/test_train_gpu.py tests/gpu/test_vision_gpu.py tests/gpu/test_rollout_gpu.py} 2>&1 | tee "$L/gpu_tests.log" ;;
     # the engine: decode kernels compiled, graph runner == eager runner == full forward, then the decode benchmark
     serve)  timeout ${T_SERVE_TESTS:-420} python3 -m pytest -q -s -p no:cacheprovider -W ignore tests/ops/test_decode_kernels.py tests/gpu/test_engine_parts_gpu.py tests/gpu/test_engine_gpu.py 2>&1 | tee "$L/serve_tests.log"
             timeout ${T_SERVE:-420} python3 benchmarks/bench_decode.py --profile ${DECODE_ARGS:-} --json "$L/bench_decode.json" 2>&1 | tee "$L/bench_decode.log" ;;

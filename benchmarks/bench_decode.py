@@ -357,22 +357,18 @@ def main():
                     "cache_bytes_per_request": eng.layout.kda_state_bytes + ctx * eng.layout.mla_bytes_per_token})
         eng.stop()
         del eng
-    if "sync" in sections:  # the same engine reading each step's results before planning the next
-        eng = build_engine(base, dev, dtype, tok, max(batches) * (args.context + args.steps + 16), max_b,
-                           async_scheduling=False)
+    # engine variants at the smallest and largest batch: each step's results read before the next is planned; CUDA
+    # graphs of the uncompiled step (what RL rollouts run: a run builds one engine per evaluation)
+    variants = {"sync": ("k3 hybrid, synchronous scheduling", {"async_scheduling": False}),
+                "nocompile": ("k3 hybrid, graphs without compile", {"compile": False})}
+    for section, (label, options) in variants.items():
+        if section not in sections:
+            continue
+        eng = build_engine(base, dev, dtype, tok, max(batches) * (args.context + args.steps + 16), max_b, **options)
         for B in sorted({min(batches), max(batches)}):
             rate, dt, _, _ = decode_rate(eng, args.context, B, args.steps)
-            record({"model": "k3 hybrid, synchronous scheduling", "batch": B, "context": args.context,
-                    "tokens_per_s": rate, "step_ms": dt * 1e3})
-        eng.stop()
-        del eng
-    if "nocompile" in sections:  # CUDA graphs of the eager step (what RL rollouts use: one engine per evaluation)
-        eng = build_engine(base, dev, dtype, tok, max(batches) * (args.context + args.steps + 16), max_b,
-                           compile=False)
-        for B in sorted({min(batches), max(batches)}):
-            rate, dt, _, _ = decode_rate(eng, args.context, B, args.steps)
-            record({"model": "k3 hybrid, graphs without compile", "batch": B, "context": args.context,
-                    "tokens_per_s": rate, "step_ms": dt * 1e3})
+            record({"model": label, "batch": B, "context": args.context, "tokens_per_s": rate,
+                    "step_ms": dt * 1e3})
         eng.stop()
         del eng
     if "eager" in sections:

@@ -94,10 +94,10 @@ def main():
         except torch.OutOfMemoryError as e:  # what was asked for, and where: the next run's first clue
             row = {"policy": policy, "oom": True, "error": str(e).split("\n")[0][:300],
                    "where": _innermost_k3_frame(e.__traceback__)}
-            del e  # the failed step's model and activations are freed once its traceback is gone
-        if row.get("oom"):
-            gc.collect()  # (the model and its hooks hold reference cycles)
+        if args.device == "cuda":  # the step's model and activations back to the device before the next policy
+            gc.collect()
             torch.cuda.empty_cache()
+        if row.get("oom"):
             rows.append(row)
             print(json.dumps(rows[-1]), flush=True)
             continue
@@ -109,9 +109,6 @@ def main():
                                        for n, g in grads.items())
         rows.append(row)
         print(json.dumps(row), flush=True)
-        if args.device == "cuda":
-            gc.collect()
-            torch.cuda.empty_cache()
     out = {**header(), "preset": args.preset, "batch": args.batch, "seq_len": args.seq_len, "rows": rows}
     print(f"\n{args.preset}: {args.batch} x {args.seq_len} tokens, one forward + backward on {args.device} "
           f"(differences against the first policy)")

@@ -46,7 +46,9 @@ def add_rl_arguments(p, distill: bool = False) -> None:
     p.add_argument("--beta", type=number(0), default=0.0, help="KL-to-reference coefficient (0: reference-free)")
     p.add_argument("--eval-problems", type=positive_int, default=32, help="held-out problems per task and effort")
     p.add_argument("--micro-tokens", type=positive_int, default=4096, help="packed tokens per micro-batch")
-    p.add_argument("--rollout-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+    from ..post.rollout import ROLLOUT_DTYPES
+
+    p.add_argument("--rollout-dtype", choices=sorted(ROLLOUT_DTYPES), default="auto",
                    help="the rollout engine's copy of the weights; auto: bfloat16 on CUDA (CUDA graphs; its "
                         "log-probs, recorded at sampling, then differ from the fp32 policy's by rounding), else "
                         "the policy's dtype")

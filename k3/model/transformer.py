@@ -215,13 +215,6 @@ def _chunk_ce_sum(head: nn.Module, hidden: torch.Tensor, tgt: torch.Tensor) -> t
     return F.cross_entropy(head(hidden).float(), tgt, ignore_index=-100, reduction="sum")
 
 
-def _lm_loss(head: nn.Module, hidden: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-    """One chunk's summed CE as the "lm_loss" region (compiled under ``k3 train --compile``: the cast to fp32, the
-    log-softmax and the target's gather in one reduction over the bf16 logits, and one kernel for their gradient,
-    instead of fp32 copies of the chunk's logits)."""
-    return region("lm_loss", _chunk_ce_sum, head, hidden, tgt)
-
-
 def chunked_head_ce_sum(head: nn.Module, hidden: torch.Tensor, tgt: torch.Tensor,
                         chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed CE fp32, number of counted targets) of head(hidden) [B,T,D] -> [B,T,V] against tgt [B,T] (-100
@@ -232,9 +225,11 @@ def chunked_head_ce_sum(head: nn.Module, hidden: torch.Tensor, tgt: torch.Tensor
     h, t = hidden.reshape(-1, hidden.shape[-1]), tgt.reshape(-1)
     total = hidden.new_zeros((), dtype=torch.float32)
     for i in range(0, h.shape[0], chunk):
-        # the head and the CE draw no random numbers: no RNG state to save and restore around the recompute
-        total = total + checkpoint(_lm_loss, head, h[i:i + chunk], t[i:i + chunk], use_reentrant=False,
-                                   preserve_rng_state=False)
+        # the "lm_loss" region (compiled under --compile: the fp32 cast, log-softmax and gather as one reduction
+        # over the bf16 logits, one kernel for their gradient); the head and the CE draw no random numbers: no RNG
+        # state to save and restore around the recompute
+        total = total + checkpoint(region, "lm_loss", _chunk_ce_sum, head, h[i:i + chunk], t[i:i + chunk],
+                                   use_reentrant=False, preserve_rng_state=False)
     return total, (t != -100).sum()
 
 

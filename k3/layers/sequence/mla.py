@@ -28,9 +28,9 @@ from ..norm import RMSNorm
 from .rope import rope_frequencies, rotary, softmax_scale
 
 
-def _low_precision_cuda(a: torch.Tensor, w: torch.Tensor) -> bool:
-    """Both CUDA tensors of one 16-bit float dtype: ``torch.bmm(..., out_dtype=torch.float32)`` applies."""
-    return a.is_cuda and a.dtype == w.dtype and a.dtype in (torch.bfloat16, torch.float16)
+def _half_cuda(w: torch.Tensor) -> bool:
+    """A bf16/fp16 CUDA tensor: ``torch.bmm(..., out_dtype=torch.float32)`` multiplies it as stored."""
+    return w.is_cuda and w.dtype in (torch.bfloat16, torch.float16)
 
 
 class MLAInputs(NamedTuple):
@@ -234,7 +234,7 @@ class GatedMLA(nn.Module):
         bf16/fp16 operands on CUDA: one batched matmul with fp32 accumulation and output (``out_dtype``), the same
         products and sums as the fp32 einsum of the widened operands, without widening W_uk in every decode step."""
         w_uk, _ = self.absorbed_weights()
-        if _low_precision_cuda(q_nope, w_uk):
+        if _half_cuda(w_uk) and q_nope.dtype == w_uk.dtype:
             B, T, H, Dn = q_nope.shape
             q = q_nope.reshape(B * T, H, Dn).transpose(0, 1)  # [H,BT,Dn]
             return torch.bmm(q, w_uk, out_dtype=torch.float32).transpose(0, 1).reshape(B, T, H, -1)
@@ -246,7 +246,7 @@ class GatedMLA(nn.Module):
         and multiplied with fp32 accumulation and output, W_uv read as stored."""
         B, T, H, R = o_lat.shape
         _, w_uv = self.absorbed_weights()
-        if _low_precision_cuda(w_uv, w_uv):
+        if _half_cuda(w_uv):
             o = o_lat.to(w_uv.dtype).reshape(B * T, H, R).transpose(0, 1)  # [H,BT,R]
             return torch.bmm(o, w_uv.transpose(1, 2), out_dtype=torch.float32).transpose(0, 1).reshape(B, T, -1)
         return torch.einsum("bthr,hvr->bthv", o_lat.float(), w_uv.float()).reshape(B, T, -1)

@@ -202,16 +202,33 @@ def by_module(prof, device: str, top: int = 25) -> str:
     return "\n".join(lines) + "\n"
 
 
-def profile_step(step, device: str, path: Path, top: int = 40, model=None) -> None:
+def by_shape(prof, device: str, top: int = 40) -> str:
+    """The ops of most device time by op and input shapes (which call site of a common op, e.g. aten::mul, costs)."""
+    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    avg = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: -getattr(e, key))
+    lines = ["ops by input shape (self time, calls, shapes):"]
+    for e in avg[:top]:
+        lines.append(f"  {getattr(e, key) / 1e3:9.2f} ms x{e.count:<5} {e.key[:40]:40} {str(e.input_shapes)[:150]}")
+    return "\n".join(lines) + "\n"
+
+
+def profile_step(step, device: str, path: Path, top: int = 40, model=None, trace: bool = False) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=acts) as prof, module_ranges(model):
+    with profile(activities=acts, record_shapes=True) as prof, module_ranges(model):
         float(step())
     key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=80)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(table + "\n" + device_gaps(prof) + "\n" + by_module(prof, device))
+    path.write_text(table + "\n" + device_gaps(prof) + "\n" + by_module(prof, device) + "\n" + by_shape(prof, device))
+    if trace:  # the whole timeline, gzipped (chrome://tracing, ui.perfetto.dev)
+        import gzip
+        raw = path.with_suffix(".json")
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as f, gzip.open(str(raw) + ".gz", "wb") as g:
+            g.write(f.read())
+        raw.unlink()
     print(f"# profile written to {path}", flush=True)
 
 
@@ -297,7 +314,8 @@ def k3_row(preset: str, cfg: K3Config, args, batches=None) -> dict:
                     args.peak_tflops * 1e12, device, docs_per_step=sum(docs[-n:]) / n, loss=loss,
                     load_max_over_mean=[round(x, 2) for x in load[-n:]], **slow)
     if args.profile:
-        profile_step(step, device, Path(args.profile) / f"k3-{preset}-{kind}.txt", model=model)
+        profile_step(step, device, Path(args.profile) / f"k3-{preset}-{kind}.txt", model=model,
+                     trace=args.trace)
     return row
 
 
@@ -345,6 +363,7 @@ def main():
     ap.add_argument("--data-max-bytes", type=int, default=8_000_000, help="--docs corpus: bytes of the corpus")
     ap.add_argument("--peak-tflops", type=float, default=780.0, help="the device's bf16 peak for MFU")
     ap.add_argument("--profile", default=None, metavar="DIR", help="profile one extra step per row into DIR")
+    ap.add_argument("--trace", action="store_true", help="with --profile: also each K3 row's timeline, DIR/<row>.json.gz")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..layers.width.latent_moe import ExpertBank, LatentMoE, expert_glu
+from ..ops.routing import combine_rows, dispatch_rows, inverse_permutation
 from .moonep import PlanArrays, plan_arrays
 
 __all__ = ["parallelize_moe", "shard_experts_over_dp", "unpermute_experts", "ExpertParallelBank", "dispatch_layout",
@@ -217,7 +218,7 @@ class ExpertParallelBank(nn.Module):
 
     def forward(self, z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """z [N,L], weights/idx [N,k] (this rank's tokens) -> sum_j w_j E_j(z) [N,L] in fp32."""
-        N, k = idx.shape
+        k = idx.shape[1]
         r, group = self.rank, self.group
         slots = idx.reshape(-1)
         counts_RE = _all_gather_counts(torch.bincount(slots, minlength=self.num_experts), group)
@@ -225,14 +226,14 @@ class ExpertParallelBank(nn.Module):
         w1, w3, w2, replicas = self._entry_weights(layout.plan)  # [n,I,L], [n,I,L], [n,L,I]
 
         slot = slots.argsort(stable=True)[_send_order(layout, r, self.num_experts).to(z.device)]  # [N*k] send order
+        inverse = inverse_permutation(slot)
         send_splits, recv_splits = layout.pieces[r].sum(1).tolist(), layout.pieces[:, r].sum(1).tolist()
-        rows = all_to_all(z[slot // k], send_splits, recv_splits, group)  # [T,L], arrival order
+        rows = all_to_all(dispatch_rows(z, slot, inverse, k), send_splits, recv_splits, group)  # [T,L], arrival order
         done = self._compute(rows, _arrival_entries(layout, r).to(z.device), layout.plan.counts[r], w1, w3, w2)
         back = all_to_all(done, recv_splits, send_splits, group)  # [N*k,L], send order
         self.last_step = EPStep(layout, rows.shape[0], replicas)
 
-        out = back.float() * weights.reshape(-1)[slot, None]
-        return torch.zeros(N, z.shape[-1], dtype=torch.float32, device=z.device).index_add_(0, slot // k, out)
+        return combine_rows(back.float() * weights.reshape(-1)[slot, None], slot, inverse, k)
 
     def _entry_weights(self, plan: PlanArrays):
         """Weights of this rank's plan entries: its own shard rows, and replicas fetched from their owners."""

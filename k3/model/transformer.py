@@ -60,7 +60,7 @@ class K3Model(nn.Module):
         k3.distributed's context parallelism; None for a plain forward. ``inputs_embeds`` [B,T,D]: the input
         embeddings to use instead of looking input_ids up (image features spliced in at placeholders, k3.vision)."""
         c = self.config
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        x = compute_dtype(self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds)
         stream = DepthStream(x, c.attn_res,
                              DepthStream.sublayer_block_size(c.attn_res, c.attn_res_block_size), c.rms_norm_eps)
         for layer in self.layers:
@@ -70,6 +70,18 @@ class K3Model(nn.Module):
                 layer(stream, cu_seqlens, mixer)
         q = _Query(self.output_attn_res_proj, self.output_attn_res_norm) if c.attn_res != "none" else None
         return stream.output(q)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in autocast's dtype where autocast is on for its device, else as is. The depth stream (the embedding,
+    every sub-layer output, AttnRes's block sums) then lives in bf16 under bf16 autocast, as every matmul's output
+    does, instead of in the fp32 of the embedding table: half the bytes for each AttnRes mix and residual add, and
+    no cast of the stream (nor of its gradient) before each projection. Norms, AttnRes logits and softmax still
+    compute in fp32 (k3.ops.norms, k3.ops.attn_res)."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev) and x.is_floating_point():
+        return x.to(torch.get_autocast_dtype(dev))
+    return x
 
 
 def _checkpointed(layer: DecoderLayer, stream: DepthStream, cu_seqlens) -> None:

@@ -1,13 +1,14 @@
 """Router math (SPEC §4): sigmoid scores, top-k on score + bias, weights from the unbiased scores.
 
-Legend: N tokens, E experts, k experts per token.
+Legend: N tokens, E experts, k experts per token, M = N*k routed rows, L row width. A token's k choices are the
+"slots" n*k + j; ``order`` [M] is a permutation of the slots (e.g. sorted by expert), ``inverse`` its inverse.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["router_scores", "select_experts", "bincount"]
+__all__ = ["router_scores", "select_experts", "bincount", "inverse_permutation", "dispatch_rows", "combine_rows"]
 
 
 def router_scores(logits: torch.Tensor, score_func: str = "sigmoid") -> torch.Tensor:
@@ -39,3 +40,54 @@ def bincount(x: torch.Tensor, n: int) -> torch.Tensor:
     A value outside [0, n) is an index error (on CUDA, a device-side assert)."""
     flat = x.reshape(-1).long()
     return torch.zeros(n, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """[M] the inverse of the permutation ``order`` [M]: inverse[order[p]] = p."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z, order, inverse, k: int):
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return z.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx, g):
+        (inverse,) = ctx.saved_tensors
+        M, L = g.shape
+        acc = torch.promote_types(g.dtype, torch.float32)
+        return g.index_select(0, inverse).view(M // ctx.k, ctx.k, L).sum(1, dtype=acc).to(g.dtype), \
+            None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, order, inverse, k: int):
+        ctx.save_for_backward(order)
+        ctx.k, ctx.dtype = k, rows.dtype
+        M, L = rows.shape
+        return rows.index_select(0, inverse).view(M // k, k, L).sum(1, dtype=torch.promote_types(rows.dtype, torch.float32))
+
+    @staticmethod
+    def backward(ctx, g):
+        (order,) = ctx.saved_tensors
+        return g.index_select(0, order // ctx.k).to(ctx.dtype), None, None, None
+
+
+def dispatch_rows(z: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    """z [N,L] -> rows [M,L], row p = z[order[p] // k] (token order[p] // k, in ``order``'s order).
+
+    The gradient is a gather, not a scatter: dz[n] = sum_j g[inverse[n*k + j]], the k rows of each token read in
+    slot order and summed in fp32. (Indexing z[order // k] would scatter-add k rows into every token's gradient
+    row, one atomic add per element, and in an order that changes from run to run.)"""
+    return _Dispatch.apply(z, order, inverse, k)
+
+
+def combine_rows(rows: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    """rows [M,L] in ``order``'s order -> [N,L] in fp32 (or wider), out[n] = sum_j rows[inverse[n*k + j]]: each token's k rows
+    gathered in slot order and summed (instead of an index_add_ of every row into its token, atomics included);
+    the gradient is the gather g[order[p] // k]."""
+    return _Combine.apply(rows, order, inverse, k)

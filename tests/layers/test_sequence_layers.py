@@ -3,7 +3,8 @@ import torch
 
 from k3 import K3Config
 from k3.layers.sequence.kda import KimiDeltaAttention
-from k3.layers.sequence.mla import GatedMLA, attend_documents, max_causal_logit
+from k3.layers.sequence.mla import GatedMLA, attend_documents
+from k3.ops.max_logit import causal_max_logit_reference as max_causal_logit
 from k3.ops.varlen import document_ids
 
 

@@ -124,3 +124,21 @@ def test_bad_input_shapes_are_explained():
         model(torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match="batch 1"):
         model(torch.zeros(2, 5, dtype=torch.long), cu_seqlens=torch.tensor([0, 5]))
+
+
+def test_the_depth_stream_is_in_autocast_dtype():
+    """Under bf16 autocast (how k3 trains on CUDA) the embedding enters the depth stream in bf16, so every AttnRes
+    source, block sum and the trunk's output are bf16 (not the fp32 of the embedding table); the loss stays within
+    bf16 rounding of the fp32 forward's. Outside autocast nothing changes."""
+    model = tiny_model()
+    x = torch.randint(0, 1024, (2, 24))
+    seen = []
+    hook = model.model.layers[2].register_forward_pre_hook(lambda m, args: seen.append(args[0].partial.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = model.model(x)
+        loss_bf16 = model(x, labels=x)["loss"]
+    hook.remove()
+    assert h.dtype == torch.bfloat16 and set(seen) == {torch.bfloat16}
+    assert model.model(x).dtype == torch.float32
+    loss = model(x, labels=x)["loss"]
+    assert abs(loss_bf16.item() - loss.item()) < 0.02 * loss.item()

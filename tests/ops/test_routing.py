@@ -44,3 +44,33 @@ def test_bincount_equals_torch_bincount_and_rejects_values_out_of_range():
         assert bincount(x, n).dtype == torch.int64
     with pytest.raises((IndexError, RuntimeError)):
         bincount(torch.tensor([0, 3]), 3)
+
+
+def test_dispatch_and_combine_equal_indexing_and_index_add_with_their_gradients():
+    """dispatch_rows / combine_rows are z[order // k] and index_add_ over tokens; their gradients, gathers through
+    the inverse permutation, equal autograd's scatter-adds of the plain forms (and pass gradcheck)."""
+    from k3.ops.routing import combine_rows, dispatch_rows, inverse_permutation
+
+    torch.manual_seed(0)
+    N, k, L = 7, 3, 5
+    order = torch.randperm(N * k)
+    inverse = inverse_permutation(order)
+    assert torch.equal(order[inverse], torch.arange(N * k)) and torch.equal(inverse[order], torch.arange(N * k))
+    z = torch.randn(N, L, dtype=torch.float64, requires_grad=True)
+    rows = torch.randn(N * k, L, dtype=torch.float64, requires_grad=True)
+    g_rows, g_out = torch.randn(N * k, L, dtype=torch.float64), torch.randn(N, L, dtype=torch.float64)
+    ours = dispatch_rows(z, order, inverse, k)
+    plain = z[order // k]
+    torch.testing.assert_close(ours, plain)
+    torch.testing.assert_close(torch.autograd.grad(ours, z, g_rows)[0], torch.autograd.grad(plain, z, g_rows)[0])
+    ours = combine_rows(rows, order, inverse, k)
+    plain = torch.zeros(N, L, dtype=torch.float64).index_add_(0, order // k, rows)
+    torch.testing.assert_close(ours, plain)
+    torch.testing.assert_close(torch.autograd.grad(ours, rows, g_out)[0], torch.autograd.grad(plain, rows, g_out)[0])
+    assert torch.autograd.gradcheck(lambda x: dispatch_rows(x, order, inverse, k), (z,))
+    assert torch.autograd.gradcheck(lambda x: combine_rows(x, order, inverse, k), (rows,))
+    # bf16 rows: the combine sums in fp32 and returns fp32; the dispatch's gradient comes back in z's dtype
+    zb = z.detach().bfloat16().requires_grad_()
+    assert combine_rows(rows.detach().bfloat16(), order, inverse, k).dtype == torch.float32
+    dispatch_rows(zb, order, inverse, k).float().sum().backward()
+    assert zb.grad.dtype == torch.bfloat16 and torch.equal(zb.grad, torch.full((N, L), float(k), dtype=torch.bfloat16))

@@ -8,7 +8,8 @@ import torch
 
 from k3 import K3Config, K3ForCausalLM
 from k3.layers.sequence.kda import KimiDeltaAttention
-from k3.layers.sequence.mla import GatedMLA, max_causal_logit
+from k3.layers.sequence.mla import GatedMLA
+from k3.ops.max_logit import causal_max_logit_reference as max_causal_logit
 from k3.layers.width.latent_moe import LatentMoE
 from k3.train.optim import CombinedOptimizer, Muon, build_optimizer, describe_param_groups, newton_schulz
 from k3.train.optim.muon import block_shape, parse_split, to_blocks
@@ -349,12 +350,12 @@ def test_max_logit_tracking_is_chunked_masked_and_opt_in():
     valid = torch.ones(2, 23, dtype=torch.bool)
     valid[1, 9:] = False  # row 1 is a 9-token document padded to 23
     for v in (None, valid):
-        torch.testing.assert_close(max_causal_logit(q, k, 0.5, v, chunk=5), max_causal_logit(q, k, 0.5, v))
+        torch.testing.assert_close(max_causal_logit(q, k, 0.5, valid=v, chunk=5), max_causal_logit(q, k, 0.5, valid=v))
     vis = torch.ones(23, 23, dtype=torch.bool).tril()[None] & valid[:, :, None] & valid[:, None, :]  # [2,23,23]
     s = (q @ k.mT * 0.5).masked_fill(~vis[:, None], float("-inf")).amax(dim=(0, 2, 3))
-    torch.testing.assert_close(max_causal_logit(q, k, 0.5, valid, chunk=4), s)
+    torch.testing.assert_close(max_causal_logit(q, k, 0.5, valid=valid, chunk=4), s)
     q[1, :, 9:] = 1e3  # padding never counts
-    torch.testing.assert_close(max_causal_logit(q, k, 0.5, valid), s)
+    torch.testing.assert_close(max_causal_logit(q, k, 0.5, valid=valid), s)
     model = K3ForCausalLM(TINY).train()
     assert enable_max_logit_tracking(model) == 3  # two MLA layers and the MTP layer
     model(torch.randint(0, TINY.vocab_size, (1, 16)), labels=torch.randint(0, TINY.vocab_size, (1, 16)))

@@ -22,7 +22,9 @@ from torch import nn
 from typing import NamedTuple
 
 from ...config import K3Config
-from ...ops.varlen import GROUP_OVERHEAD, cached_plan, grouped_documents
+from ...ops._triton import triton_available
+from ...ops.max_logit import causal_max_logit
+from ...ops.varlen import GROUP_OVERHEAD, cached_plan, document_offsets, grouped_documents
 from ..fuse import fuse_linears, use_fused
 from ..norm import RMSNorm
 from .rope import rope_frequencies, rotary, softmax_scale
@@ -43,25 +45,6 @@ class MLAInputs(NamedTuple):
     gate: torch.Tensor | None  # [B,T,H*Dv] output gate logits, None without the gate
 
 
-@torch.no_grad()
-def max_causal_logit(q: torch.Tensor, k: torch.Tensor, scale: float, valid: torch.Tensor | None = None,
-                     chunk: int = 1024) -> torch.Tensor:
-    """Per-head max of q.k * scale over causal pairs: q, k [B,H,T,Dk]; valid [B,T] marks real (non-padding)
-    positions, or None. Query chunks bound the scores to [B,H,chunk,T]. Returns [H] fp32."""
-    B, H, T, _ = q.shape
-    q, k = q.float(), k.float()
-    pos = torch.arange(T, device=q.device)
-    best = torch.full((H,), float("-inf"), dtype=torch.float32, device=q.device)
-    for i in range(0, T, chunk):
-        j = min(T, i + chunk)  # keys after the chunk's last query are never visible
-        s = (q[:, :, i:j] @ k[:, :, :j].transpose(-1, -2)) * scale  # [B,H,C,j]
-        vis = (pos[None, :j] <= pos[i:j, None])[None, None]  # [1,1,C,j]
-        if valid is not None:
-            vis = vis & valid[:, None, i:j, None] & valid[:, None, None, :j]
-        best = torch.maximum(best, s.masked_fill(~vis, float("-inf")).amax(dim=(0, 2, 3)))
-    return best
-
-
 def attend_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
                      track_max_logit: bool = False, overhead: float = GROUP_OVERHEAD):
     """Causal attention within each packed document: q, k [1,H,T,Dk], v [1,H,T,Dv] -> (o [1,H,T,Dv], max logit
@@ -76,12 +59,12 @@ def attend_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                            lambda cu: (cu, grouped_documents(cu, overhead, 2, q.device)))
     if len(cu) == 2:  # one document: no gather
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        return o, (max_causal_logit(q, k, scale) if track_max_logit else None)
+        return o, (causal_max_logit(q, k, scale) if track_max_logit else None)
     outs, best = [], None
     for grp in plan.groups:
         qg, kg, vg = (grp.pad(x[0], dim=1).transpose(0, 1) for x in (q, k, v))  # [n,H,L,*]
         if track_max_logit:
-            m = max_causal_logit(qg, kg, scale, grp.valid)
+            m = causal_max_logit(qg, kg, scale, valid=grp.valid)
             best = m if best is None else torch.maximum(best, m)
         og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale)  # [n,H,L,Dv]
         outs.append(og.transpose(0, 1))  # [H,n,L,Dv]
@@ -124,15 +107,26 @@ def attend_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
 
 def documents_max_logit(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
                         overhead: float = GROUP_OVERHEAD) -> torch.Tensor:
-    """Per-head max of the causal within-document logits of packed q, k [1,H,T,Dk] -> [H] fp32 (QK-clip)."""
+    """Per-head max of the causal within-document logits of packed q, k [1,H,T,Dk] -> [H] fp32 (QK-clip). On CUDA
+    one kernel over the packed row, told each position's document start (``k3.ops.max_logit``); elsewhere the
+    reference over the documents' length groups."""
+    if q.is_cuda and triton_available():
+        starts = cached_plan(cu_seqlens, ("starts", q.device), lambda cu: _document_starts(cu, q.device))
+        return causal_max_logit(q, k, scale, starts)
     cu, plan = cached_plan(cu_seqlens, ("mla", overhead, q.device),
                            lambda cu: (cu, grouped_documents(cu, overhead, 2, q.device)))
     best = None
     for grp in plan.groups:
         qg, kg = (grp.pad(x[0], dim=1).transpose(0, 1) for x in (q, k))  # [n,H,L,Dk]
-        m = max_causal_logit(qg, kg, scale, grp.valid)
+        m = causal_max_logit(qg, kg, scale, valid=grp.valid)
         best = m if best is None else torch.maximum(best, m)
     return best
+
+
+def _document_starts(cu: list[int], device) -> torch.Tensor:
+    """Host cu_seqlens -> [T] on ``device``: the first position of each position's document."""
+    offsets, _, _ = document_offsets(cu, device)
+    return torch.arange(cu[-1] - cu[0], device=device) - offsets
 
 
 class GatedMLA(nn.Module):
@@ -218,7 +212,7 @@ class GatedMLA(nn.Module):
                 o, m = attend_documents(q, k, v, cu_seqlens, self.scale, track)
             else:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-                m = max_causal_logit(q, k, self.scale) if track else None
+                m = causal_max_logit(q, k, self.scale) if track else None
         if m is not None:
             self.max_logit = m if self.max_logit is None else torch.maximum(self.max_logit, m)
         o = o.transpose(1, 2).reshape(B, T, H * self.dv)  # [B,T,H*Dv]

@@ -19,7 +19,7 @@ from ...config import K3Config
 from ...ops.grouped_mm import grouped_mm
 from ...ops.moe_decode import decode_applies, expert_decode
 from ...ops.mx import fake_quant_mxfp4, fake_quant_mxfp8
-from ...ops.routing import bincount
+from ...ops.routing import bincount, combine_rows, dispatch_rows, inverse_permutation
 from ...ops.situ import glu
 from ..fuse import fuse_linears, use_fused
 from ..norm import RMSNorm
@@ -67,13 +67,13 @@ class ExpertBank(nn.Module):
 def route_to_experts(z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, num_experts: int, experts):
     """z [N,L], weights/idx [N,k] -> sum_j w_j E_j(z) [N,L] fp32; ``experts(x [M,L] sorted by expert, counts [E],
     row_weights [M,1])`` computes every routed row scaled by its routing weight (a bank's ``compute``)."""
-    N, k = idx.shape
+    k = idx.shape[1]
     flat = idx.reshape(-1)
-    order = flat.argsort(stable=True)  # rows grouped by expert
+    order = flat.argsort(stable=True)  # slots grouped by expert
+    inverse = inverse_permutation(order)
     counts = bincount(flat, num_experts)
-    token = order // k
-    out = experts(z[token], counts, weights.reshape(-1)[order, None]).float()
-    return torch.zeros(N, z.shape[-1], dtype=torch.float32, device=z.device).index_add_(0, token, out)
+    out = experts(dispatch_rows(z, order, inverse, k), counts, weights.reshape(-1)[order, None])
+    return combine_rows(out, order, inverse, k)
 
 
 def expert_glu(x, counts, w1, w3, w2, act: str, b1: float, b2: float, qat: str | None = None,

@@ -3,12 +3,14 @@ PyTorch dense model of the same width under CUDA graphs, in one run.
 
     python benchmarks/bench_decode.py [--preset small] [--batches 1,8,32,64] [--context 2048]
         [--long-contexts 8192,32768,131072] [--long-batch 8] [--prefix 65536] [--steps 40]
-        [--sections k3,mla,peer,ttft,eager,sync,nocompile] [--profile] [--json out.json]
+        [--sections k3,mla,budget,peer,ttft,eager,sync,nocompile] [--profile] [--json out.json]
 
 k3: ``batch`` requests of ``context`` random prompt tokens are prefilled through the engine, then ``steps`` engine
 steps are timed (tokens/s = batch / step time; the step is the engine's whole step: scheduling, input copies,
 graph replays, sampling, detokenisation). Rows: the hybrid model (3 KDA : 1 MLA) at every batch and long
-context; the same model with every layer MLA at the long contexts; the hybrid decoding eagerly (no graphs) at
+context; the same model with every layer MLA at the long contexts; "budget": the hybrid at the longest context with
+as many requests as fit in the cache bytes of the all-MLA model's ``--long-batch`` (a fixed cache-memory budget, as a
+server has); the hybrid decoding eagerly (no graphs) at
 batch 1; the hybrid with synchronous scheduling (each step's results read before the next is planned) at the
 smallest and largest batch, beside the default asynchronous one; ``nocompile`` (not in the default sections): CUDA
 graphs of the eager, uncompiled step at the smallest and largest batch (what RL rollouts run). Peer: a 12-layer dense transformer of the same
@@ -50,12 +52,13 @@ def sync(dev):
 
 # ---- k3 -------------------------------------------------------------------------------------------------------
 def build_engine(cfg, device, dtype, tok, tokens_needed: int, max_batch: int, graphs: bool | None = None,
-                 async_scheduling: bool | None = None, compile: bool | None = None):
+                 async_scheduling: bool | None = None, compile: bool | None = None, checkpoint_every: int = 4):
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg.replace(vocab_size=cfg.vocab_size, num_nextn_predict_layers=0)).to(device, dtype).eval()
     kda_pages = PageLayout.from_config(model.config, 1024, dtype).kda_pages
     pages = math.ceil(tokens_needed / 1024) + max_batch * (kda_pages + 2) + 64
-    return Engine(model, tok, EngineConfig(num_pages=pages, page_tokens=1024, hash_block=512, checkpoint_every=4,
+    return Engine(model, tok, EngineConfig(num_pages=pages, page_tokens=1024, hash_block=512,
+                                           checkpoint_every=checkpoint_every,
                                            prefill_chunk=8192, step_tokens=16384, max_batch=max_batch,
                                            max_context=1 << 21, cuda_graphs=graphs,
                                            compile=graphs if compile is None else compile,
@@ -167,6 +170,12 @@ def step_bytes(model, layout, batch: int, context: int) -> float:
     reach = min(1.0, batch * c.num_experts_per_token / max(c.num_experts, 1)) if moe_layers else 0.0
     cache = batch * (context * layout.mla_bytes_per_token + 2 * layout.kda_state_bytes)
     return dense + expert * reach + cache
+
+
+def _cache_bytes(cfg, dtype, context: int) -> int:
+    """One request's cache bytes at ``context`` tokens: its MLA latents and its KDA states (conv tails included)."""
+    layout = PageLayout.from_config(cfg, 1024, dtype)
+    return layout.kda_state_bytes + context * layout.mla_bytes_per_token
 
 
 # ---- the dense peer ---------------------------------------------------------------------------------------------
@@ -288,7 +297,7 @@ def main():
     ap.add_argument("--long-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--prefix", type=int, default=65536)
-    ap.add_argument("--sections", default="k3,mla,peer,ttft,eager,sync")
+    ap.add_argument("--sections", default="k3,mla,budget,peer,ttft,eager,sync")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of a step at the first and the last "
                     "of --batches")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -308,12 +317,9 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    max_b = max(batches + [args.long_batch])
     if "k3" in sections or "ttft" in sections:
-        need = max(max(batches) * (args.context + args.steps + 16),
-                   args.long_batch * (max(longs, default=0) + args.steps + 16),
-                   (3 if args.profile else 2) * args.prefix + 4096)
-        eng = build_engine(base, dev, dtype, tok, need, max_b)
+        need = max(max(batches) * (args.context + args.steps + 16), (3 if args.profile else 2) * args.prefix + 4096)
+        eng = build_engine(base, dev, dtype, tok, need, max(batches))
         if args.profile:
             explain_graph_breaks(eng)
         if "k3" in sections:
@@ -324,12 +330,6 @@ def main():
                 record({"model": "k3 hybrid", "batch": B, "context": args.context, "tokens_per_s": rate,
                         "step_ms": dt * 1e3, "step_spread_ms": spread, "bytes_per_s": gb, "of_hbm": gb / HBM,
                         "profile": top})
-            for ctx in longs:
-                rate, dt, _, _ = decode_rate(eng, ctx, args.long_batch, args.steps)
-                record({"model": "k3 hybrid", "batch": args.long_batch, "context": ctx, "tokens_per_s": rate,
-                        "step_ms": dt * 1e3,
-                        "bytes_per_s": step_bytes(eng.model, eng.layout, args.long_batch, ctx) / dt,
-                        "cache_bytes_per_request": eng.layout.kda_state_bytes + ctx * eng.layout.mla_bytes_per_token})
         if "ttft" in sections:
             g = torch.Generator().manual_seed(1)
             prefix = torch.randint(1, base.vocab_size, (args.prefix,), generator=g).tolist()
@@ -347,16 +347,35 @@ def main():
                     "cached_tokens": cached, "speedup": miss / hit, "profiles": profiles})
         eng.stop()
         del eng
+    # long contexts: the hybrid and the all-MLA model at --long-batch; "budget": the hybrid at the batch whose cache
+    # bytes equal the all-MLA model's at --long-batch and the longest context (a fixed cache-memory budget). These
+    # engines take a KDA checkpoint every 16 hash blocks (8K tokens) instead of 4, so prompts prefill in 8K chunks:
+    # where checkpoints fall changes nothing in a decode step, and the prefill of ~4M prompt tokens takes a quarter
+    # of the engine steps
+    budget_batch = None
+    if "budget" in sections and longs:
+        C = max(longs)
+        per_request = {name: _cache_bytes(base.variant(layers=name), dtype, C) for name in ("hybrid", "all-mla")}
+        budget_batch = args.long_batch * per_request["all-mla"] // per_request["hybrid"]
+    long_models = []
+    if ("k3" in sections and longs) or budget_batch:
+        long_models.append(("k3 hybrid", base, [(args.long_batch, ctx) for ctx in longs if "k3" in sections]
+                            + ([(budget_batch, max(longs))] if budget_batch else [])))
     if "mla" in sections and longs:
-        eng = build_engine(base.variant(layers="all-mla"), dev, dtype, tok,
-                           args.long_batch * (max(longs) + args.steps + 16), args.long_batch)
-        for ctx in longs:
-            rate, dt, _, _ = decode_rate(eng, ctx, args.long_batch, args.steps)
-            record({"model": "k3 all-MLA", "batch": args.long_batch, "context": ctx, "tokens_per_s": rate,
-                    "step_ms": dt * 1e3, "bytes_per_s": step_bytes(eng.model, eng.layout, args.long_batch, ctx) / dt,
-                    "cache_bytes_per_request": eng.layout.kda_state_bytes + ctx * eng.layout.mla_bytes_per_token})
+        long_models.append(("k3 all-MLA", base.variant(layers="all-mla"), [(args.long_batch, ctx) for ctx in longs]))
+    for label, cfg, runs in long_models:
+        need = max(B * (ctx + args.steps + 4096 + 16) for B, ctx in runs)
+        eng = build_engine(cfg, dev, dtype, tok, need, max(B for B, _ in runs), checkpoint_every=16)
+        for B, ctx in runs:
+            rate, dt, _, _ = decode_rate(eng, ctx, B, args.steps)
+            record({"model": label, "batch": B, "context": ctx, "tokens_per_s": rate, "step_ms": dt * 1e3,
+                    "bytes_per_s": step_bytes(eng.model, eng.layout, B, ctx) / dt,
+                    "cache_bytes_per_request": eng.layout.kda_state_bytes + ctx * eng.layout.mla_bytes_per_token,
+                    **({"budget": "all-MLA's cache bytes at batch %d" % args.long_batch}
+                       if label == "k3 hybrid" and B == budget_batch and ctx == max(longs) else {})})
         eng.stop()
         del eng
+    max_b = max(batches)
     # engine variants at the smallest and largest batch: each step's results read before the next is planned; CUDA
     # graphs of the uncompiled step (what RL rollouts run: a run builds one engine per evaluation)
     variants = {"sync": ("k3 hybrid, synchronous scheduling", {"async_scheduling": False}),
@@ -413,10 +432,17 @@ def summarise(rows, args):
         if (B, args.context) in k3:
             print(f"k3 / dense peer at batch {B}: {k3[(B, args.context)] / p:.2f}x")
     for ctx, r in mla.items():
-        hy = next((x for x in rows if x.get("model") == "k3 hybrid" and x.get("context") == ctx), None)
+        hy = next((x for x in rows if x.get("model") == "k3 hybrid" and x.get("context") == ctx
+                   and x.get("batch") == r["batch"]), None)
         if hy:
-            print(f"context {ctx:,}: hybrid / all-MLA tokens/s {hy['tokens_per_s'] / r['tokens_per_s']:.2f}x, cache "
-                  f"{hy['cache_bytes_per_request'] / r['cache_bytes_per_request']:.0%} of all-MLA's")
+            ratio = r["cache_bytes_per_request"] / hy["cache_bytes_per_request"]
+            print(f"context {ctx:,}, batch {r['batch']}: hybrid / all-MLA tokens/s {hy['tokens_per_s'] / r['tokens_per_s']:.2f}x, "
+                  f"cache {1 / ratio:.1%} of all-MLA's (at one batch the step-time ratio is bounded by {ratio:.2f}x)")
+        bud = next((x for x in rows if x.get("budget") and x.get("context") == ctx), None)
+        if bud:
+            print(f"context {ctx:,}, the cache bytes of all-MLA at batch {r['batch']}: the hybrid holds {bud['batch']} "
+                  f"requests, {bud['tokens_per_s']:,.0f} tokens/s = {bud['tokens_per_s'] / r['tokens_per_s']:.2f}x "
+                  "all-MLA's")
     for r in rows:
         if "ttft_miss_s" in r:
             print(f"TTFT {r['ttft_prefix']:,}-token prefix: miss {r['ttft_miss_s']:.3f} s, hit {r['ttft_hit_s']:.4f} s "

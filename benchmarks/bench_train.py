@@ -34,6 +34,7 @@ module class, forward and backward apart (which layer's code to fuse first).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -216,8 +217,10 @@ def profile_step(step, device: str, path: Path, top: int = 40, model=None, trace
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=acts, record_shapes=True) as prof, module_ranges(model):
-        float(step())
+    with module_ranges(model):
+        float(step())  # the module hooks make dynamo recompile the compiled regions: here, not in the profiled step
+        with profile(activities=acts, record_shapes=True) as prof:
+            float(step())
     key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=80)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -272,13 +275,31 @@ def corpus_batches(batch: int, T: int, vocab_size: int, max_bytes: int):
     return tok.get_vocab_size(), lambda: PackedDataset(ids, T, eos_id(tok), shuffle_seed=0).batches(batch)
 
 
-def k3_row(preset: str, cfg: K3Config, args, batches=None) -> dict:
+def k3_rows(preset: str, cfg: K3Config, args, batches=None) -> dict:
+    """``k3_row`` under the first of ``--memory-policy``'s policies whose step fits in the device's memory (the row
+    names it, and the policies that ran out of memory before it)."""
+    oom = []
+    for policy in args.memory_policy.split(","):
+        try:
+            row = k3_row(preset, cfg, args, policy, batches)
+            return {**row, "oom_policies": oom} if oom else row
+        except torch.OutOfMemoryError as e:
+            oom.append(policy)
+            print(f"# k3 {preset}: out of memory under {policy!r}: {str(e).splitlines()[0][:200]}", flush=True)
+        gc.collect()  # the failed step's model, optimiser state and activations, before the next policy
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return {"preset": preset, "model": f"k3 {preset}", "docs": "uniform" if batches is None else "corpus",
+            "oom_policies": oom}
+
+
+def k3_row(preset: str, cfg: K3Config, args, policy: str, batches=None) -> dict:
     """One K3 row: ``batches`` (endless packed batches) or None for uniform documents."""
     device = args.device
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg).to(device).train()
     model.set_kda_backend(args.kda_backend)
-    memory = ActivationManager(args.memory_policy)
+    memory = ActivationManager(policy)
     memory.attach(model)
     if args.compile:
         compile_model(model)
@@ -311,7 +332,7 @@ def k3_row(preset: str, cfg: K3Config, args, batches=None) -> dict:
     n = args.steps
     kind = "uniform" if batches is None else "corpus"
     row = row_stats(preset, f"k3 {preset}", kind, each, B * T, k3_flops(cfg, B * T, sum(sq[-n:]) / n),
-                    args.peak_tflops * 1e12, device, docs_per_step=sum(docs[-n:]) / n, loss=loss,
+                    args.peak_tflops * 1e12, device, memory_policy=policy, docs_per_step=sum(docs[-n:]) / n, loss=loss,
                     load_max_over_mean=[round(x, 2) for x in load[-n:]], **slow)
     if args.profile:
         profile_step(step, device, Path(args.profile) / f"k3-{preset}-{kind}.txt", model=model,
@@ -357,7 +378,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-peer", action="store_true", help="leave out the dense peer")
     ap.add_argument("--kda-backend", choices=["auto", "torch", "fla"], default="auto")
-    ap.add_argument("--memory-policy", choices=sorted(POLICIES), default="keep")
+    ap.add_argument("--memory-policy", default="keep", help=f"one of {', '.join(sorted(POLICIES))}, or several "
+                    "(comma-separated): each K3 row runs under the first whose step fits in memory")
     ap.add_argument("--compile", action="store_true", help="regional torch.compile for K3, whole-model for the peer")
     ap.add_argument("--vocab-size", type=int, default=32768, help="--docs corpus: the BPE's size (k3 train's default)")
     ap.add_argument("--data-max-bytes", type=int, default=8_000_000, help="--docs corpus: bytes of the corpus")
@@ -367,6 +389,9 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    bad = set(args.memory_policy.split(",")) - set(POLICIES)
+    if bad:
+        ap.error(f"--memory-policy: unknown {sorted(bad)}; choose from {', '.join(sorted(POLICIES))}")
     kinds = args.docs.split(",")
     if set(kinds) - {"uniform", "corpus"}:
         ap.error(f"--docs: unknown {sorted(set(kinds) - {'uniform', 'corpus'})}; choose from uniform, corpus")
@@ -377,9 +402,9 @@ def main():
         cfg = K3Config.preset(preset)
         for kind in kinds:
             if kind == "corpus":
-                rows.append(k3_row(preset, cfg.replace(vocab_size=corpus[0]), args, corpus[1]()))
+                rows.append(k3_rows(preset, cfg.replace(vocab_size=corpus[0]), args, corpus[1]()))
             else:
-                rows.append(k3_row(preset, cfg, args))
+                rows.append(k3_rows(preset, cfg, args))
             print(json.dumps(rows[-1]), flush=True)
         if not args.no_peer:
             rows.append(peer_row(preset, cfg, args))
@@ -390,19 +415,23 @@ def main():
 
 
 def report(rows: list[dict], args) -> None:
-    print(f"\n{args.batch} x {args.seq_len} tokens per step on {args.device}; memory policy {args.memory_policy}, "
-          f"compile {'on' if args.compile else 'off'}, KDA backend {args.kda_backend}")
-    print("| model | documents | docs/step | tokens/s | MFU | step min / median / max | peak memory |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\n{args.batch} x {args.seq_len} tokens per step on {args.device}; compile {'on' if args.compile else 'off'}, "
+          f"KDA backend {args.kda_backend}")
+    print("| model | documents | memory policy | docs/step | tokens/s | MFU | step min / median / max | peak memory |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
+        oom = f" ({', '.join(r['oom_policies'])}: out of memory)" if r.get("oom_policies") else ""
+        if "step_ms" not in r:
+            print(f"| {r['model']} | {r['docs']} | -{oom} | - | - | - | - | - |")
+            continue
         s = r["step_ms"]
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         mem = f"{r['peak_mem_gib']:.1f} GiB" if r["peak_mem_gib"] is not None else "-"
         docs = f"{r['docs_per_step']:.1f}" if "docs_per_step" in r else "-"
-        print(f"| {r['model']} | {r['docs']} | {docs} | {r['tokens_per_s']:,.0f} | {mfu} | "
-              f"{s['min']:.0f} / {s['median']:.0f} / {s['max']:.0f} ms | {mem} |")
+        print(f"| {r['model']} | {r['docs']} | {r.get('memory_policy', '-')}{oom} | {docs} | {r['tokens_per_s']:,.0f} | "
+              f"{mfu} | {s['min']:.0f} / {s['median']:.0f} / {s['max']:.0f} ms | {mem} |")
     for preset in args.presets.split(","):
-        by = {r["docs"]: r for r in rows if r["preset"] == preset}
+        by = {r["docs"]: r for r in rows if r["preset"] == preset and "step_ms" in r}
         peer = by.pop("any", None)
         if "uniform" in by and "corpus" in by:
             u, c = by["uniform"], by["corpus"]

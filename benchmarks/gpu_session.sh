@@ -7,7 +7,8 @@
 #   2+ GPUs:  nccl flacp kcp scale             (the distributed suite over NCCL, fla CP vs KCP, multi-GPU throughput)
 #   T_TESTS=300 etc. (T_<STEP>, upper case) override a step's limit in seconds.
 #   TESTS replaces the tests step's test files (pytest arguments).
-#   TRAIN_ARGS replaces trainc's extra bench_train arguments (default: --memory-policy efficient).
+#   TRAIN_ARGS replaces trainc's extra bench_train arguments (default: --memory-policy keep,efficient: each row
+#   under keep when it fits, else efficient).
 #   DECODE_ARGS adds bench_decode arguments (e.g. --sections k3,ttft,peer --batches 1,32); QUANT_ARGS adds
 #   bench_quant arguments (e.g. --decode-presets small,medium); POST_ARGS replaces post's sizes (post_demo arguments);
 #   MEMORY_ARGS replaces memory's batch and length (bench_memory arguments).
@@ -44,8 +45,8 @@ for s in $steps; do
     decode) timeout ${T_DECODE:-420} python3 benchmarks/bench_decode.py --profile ${DECODE_ARGS:-} --json "$L/bench_decode.json" 2>&1 | tee "$L/bench_decode.log" ;;
     # k3 small and medium on uniform and corpus documents, and the dense same-width peers, 8 x 4096 tokens
     train)  timeout ${T_TRAIN:-590} python3 benchmarks/bench_train.py --json "$L/bench_train.json" 2>&1 | tee "$L/bench_train.log" ;;
-    # the same with regional torch.compile (the peer whole-model) and the efficient memory policy
-    trainc) timeout ${T_TRAINC:-590} python3 benchmarks/bench_train.py --compile ${TRAIN_ARGS:---memory-policy efficient} --json "$L/bench_train_compile.json" 2>&1 | tee "$L/bench_train_compile.log" ;;
+    # the same with regional torch.compile (the peer whole-model), each row under keep if it fits, else efficient
+    trainc) timeout ${T_TRAINC:-590} python3 benchmarks/bench_train.py --compile ${TRAIN_ARGS:---memory-policy keep,efficient} --json "$L/bench_train_compile.json" 2>&1 | tee "$L/bench_train_compile.log" ;;
     # one profiled step per row: top kernels and the device's idle gaps, into logs/profile/
     profile) timeout ${T_PROFILE:-590} python3 benchmarks/bench_train.py --steps 3 --profile "$L/profile" --json "$L/bench_train_profile.json" 2>&1 | tee "$L/bench_train_profile.log" ;;
     # peak memory per activation policy, medium at 2 x 4096 tokens (at 8 x 4096 eager layers fit neither keep nor

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from ._triton import triton_available
+from .norms import rms_norm
 from .precision import upcast
 
-__all__ = ["attn_res_logits", "attn_res_mix", "attn_res_partial", "attn_res_merge"]
+__all__ = ["attn_res_logits", "attn_res_mix", "attn_res_partial", "attn_res_merge", "attn_res_mix_norm",
+           "attn_res_mix_norm_reference", "attn_res_mix_norm_triton"]
 
 
 def _unit_rms(v: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,3 +51,77 @@ def attn_res_merge(o1, lse1, partial, query, norm_weight, eps: float = 1e-5):
     h = o1 + sigmoid(l2 - lse1) (partial - o1), l2 = the partial's logit."""
     l2 = attn_res_logits(partial, query, norm_weight, eps)
     return (o1 + torch.sigmoid(l2 - lse1).unsqueeze(-1) * (upcast(partial) - o1)).to(partial.dtype)
+
+
+def attn_res_mix_norm_reference(sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor,
+                                eps: float, norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-5):
+    """A sub-layer's input: the mix of ``sources`` (S tensors [*,D]) by ``query``, then, with ``norm_weight``, the
+    sub-layer's pre-norm RMSNorm(h) * norm_weight over h rounded to the sources' dtype. -> [*,D]."""
+    h = attn_res_mix(torch.stack(sources), query, key_norm_weight, eps)
+    return h if norm_weight is None else rms_norm(h, norm_weight, norm_eps)
+
+
+class _MixNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key_norm_weight, norm_weight, eps: float, norm_eps: float, *sources):
+        from . import _attn_res_triton as k
+
+        shape = sources[0].shape
+        flat = [x.reshape(-1, shape[-1]).contiguous() for x in sources]
+        u = (query.float() * key_norm_weight.float()).contiguous()
+        nw = norm_weight.float().contiguous() if norm_weight is not None else None
+        out, stats, r2 = k.forward(flat, u, nw, eps, norm_eps)
+        ctx.save_for_backward(query, key_norm_weight, norm_weight, stats, r2, *flat)
+        ctx.shape = shape
+        return out.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from . import _attn_res_triton as k
+
+        query, key_norm_weight, norm_weight, stats, r2, *flat = ctx.saved_tensors
+        u = (query.float() * key_norm_weight.float()).contiguous()
+        nw = norm_weight.float().contiguous() if norm_weight is not None else None
+        grads, du, dnw = k.backward(dy.reshape(-1, ctx.shape[-1]), flat, u, nw, stats, r2)
+        d_query = (du * key_norm_weight.float()).to(query.dtype)  # u = query * key_norm_weight
+        d_key_norm = (du * query.float()).to(key_norm_weight.dtype)
+        d_norm = dnw.to(norm_weight.dtype) if norm_weight is not None else None
+        return (d_query, d_key_norm, d_norm, None, None, *(g.view(ctx.shape) for g in grads))
+
+
+@torch.compiler.disable  # opaque to torch.compile: a compiled region calls the kernels as they are
+def attn_res_mix_norm_triton(sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor,
+                             eps: float, norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-5):
+    """``attn_res_mix_norm_reference`` as Triton kernels, forward and backward (``k3.ops._attn_res_triton``).
+
+    Forward, one program per block of rows: a pass over the sources for each one's sum of squares and dot with
+    u = query * key_norm_weight (logit_s = r_s (v_s . u), r_s = rsqrt(mean(v_s^2) + eps)), the softmax over sources
+    in registers, a second pass writing h = sum_s a_s v_s (rounded), and with the pre-norm a third over h. Only
+    per-row statistics (a_s, r_s, v_s . u and the norm's inverse RMS) are kept for the backward; h is recomputed.
+    Backward, with dh the gradient at h (through the norm: dh = r2 w dy - h r2^3 (h . w dy) / D):
+        da_s = v_s . dh,  dl_s = a_s (da_s - sum_t a_t da_t),
+        dv_s = a_s dh + dl_s r_s u - dl_s r_s^3 (v_s . u) v_s / D,   du = sum_rows sum_s dl_s r_s v_s,
+    one kernel over rows for the dl_s (and the norm's row sum), one over D tiles x row groups for the dv_s and the
+    weight gradients (partial sums per group, added up after). Each source is read in place (no stack)."""
+    return _MixNorm.apply(query, key_norm_weight, norm_weight, eps, norm_eps, *sources)
+
+
+KERNEL_MIN_ROWS = 1024
+
+
+def attn_res_mix_norm(sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float,
+                      norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-5):
+    """The Triton kernels on CUDA (when importable, for up to 12 sources of one dtype and shape and at least
+    ``KERNEL_MIN_ROWS`` rows: training steps and long prefill chunks), the reference elsewhere, also for a decode
+    step's few rows, where ``torch.compile`` fuses the reference into the step's graph. Same arguments as
+    ``attn_res_mix_norm_reference``."""
+    x = sources[0]
+    if x.is_cuda and x.numel() >= KERNEL_MIN_ROWS * x.shape[-1] and triton_available() and _fits(sources):
+        return attn_res_mix_norm_triton(sources, query, key_norm_weight, eps, norm_weight, norm_eps)
+    return attn_res_mix_norm_reference(sources, query, key_norm_weight, eps, norm_weight, norm_eps)
+
+
+def _fits(sources) -> bool:
+    x = sources[0]
+    return (len(sources) <= 12 and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and all(s.dtype == x.dtype and s.shape == x.shape for s in sources))

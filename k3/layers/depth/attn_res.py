@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...ops.attn_res import attn_res_mix
+from ...ops.attn_res import attn_res_mix_norm
 from ..norm import RMSNorm
 from ..regions import region
 
@@ -75,7 +75,7 @@ class DepthStream:
         return 1 if mode == "full" else 2 * decoder_block_size
 
 
-def _mix_and_norm(eps: float, proj_weight: torch.Tensor, key_norm_weight: torch.Tensor, norm: nn.Module | None,
+def _mix_and_norm(eps: float, proj_weight: torch.Tensor, key_norm_weight: torch.Tensor, norm: RMSNorm | None,
                   *sources: torch.Tensor) -> torch.Tensor:
-    h = attn_res_mix(torch.stack(sources), proj_weight[0], key_norm_weight, eps)
-    return h if norm is None else norm(h)
+    return attn_res_mix_norm(list(sources), proj_weight[0], key_norm_weight, eps,
+                             norm.weight if norm is not None else None, norm.eps if norm is not None else 0.0)

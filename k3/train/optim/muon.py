@@ -45,7 +45,8 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coeffs: tuple[float, float, f
     tall = G.size(-2) > G.size(-1)
     if tall:  # iterate on the wide orientation: the Gram matrix X X^T is then min(A, B) square
         X = X.mT
-    X = X / X.float().norm(dim=(-2, -1), keepdim=True).clamp(min=eps).to(X.dtype)
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)  # no fp32 copy of X
+    X = X / norm.clamp(min=eps).to(X.dtype)
     for _ in range(steps):
         gram = X @ X.mT
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G^2
@@ -162,7 +163,10 @@ class Muon(Optimizer):
     def _update(self, items: list, steps: int, eps: float, n_max: int) -> None:
         """One bucket: blocks of one (wide) shape from any number of parameters. Momentum, Nesterov, decay and the
         update run as foreach ops (a few kernels per bucket, not a few per parameter); Newton-Schulz as ONE batched
-        bmm chain over every block of the bucket."""
+        bmm chain over every block of the bucket. Each parameter's blocks are copied once, straight into the batch
+        in its dtype (bf16 on CUDA) and orientation; each update is read back from the batch as a view (a copy only
+        for "cols" blocks) and added to its weight in fp32. The Nesterov mix is written over the gradient (as in
+        Keller Jordan's Muon): ``p.grad`` holds lerp(g, buf, mu) after the step."""
         for p, _, _, _ in items:
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
@@ -171,23 +175,32 @@ class Muon(Optimizer):
             grads = [items[i][0].grad for i in idx]
             bufs = [self.state[items[i][0]]["momentum_buffer"] for i in idx]
             torch._foreach_lerp_(bufs, grads, 1 - mu)
-            for i, u in zip(idx, torch._foreach_lerp(grads, bufs, mu) if nesterov else bufs):
+            if nesterov:
+                torch._foreach_lerp_(grads, bufs, mu)
+            for i, u in zip(idx, grads if nesterov else bufs):
                 us[i] = u
         blocks = []
         for (p, group, kind, H), u in zip(items, us):
             u = to_blocks(u.full_tensor() if isinstance(u, DTensor) else u, kind, H)  # [N,A,B], whole matrices
             blocks.append(u.mT if u.shape[-2] > u.shape[-1] else u)  # NS(X^T) = NS(X)^T: batch in one orientation
-        O = newton_schulz(torch.cat(blocks), steps, eps=eps).split([b.shape[0] for b in blocks])
+        first = blocks[0]
+        X = torch.empty(sum(b.shape[0] for b in blocks), *first.shape[1:], device=first.device,
+                        dtype=torch.bfloat16 if first.is_cuda else torch.float32)
+        at = 0
+        for b in blocks:  # one copy kernel each: the dtype cast and the transpose in one pass
+            X[at: at + b.shape[0]].copy_(b)
+            at += b.shape[0]
+        O = newton_schulz(X, steps, eps=eps).split([b.shape[0] for b in blocks])
         scale = 0.2 * math.sqrt(n_max)
         updates = []
         for (p, group, kind, H), o in zip(items, O):
             A, _ = block_shape(p.shape, kind, H)
             o = o.mT if o.shape[-2] != A else o
-            updates.append(_like(p, from_blocks(o, kind, p.shape).to(p.dtype)))
+            updates.append(_like(p, from_blocks(o, kind, p.shape)))
         for (lr, wd), idx in _by(items, lambda g: (g["lr"], g["weight_decay"])).items():
             params = [items[i][0] for i in idx]
             torch._foreach_mul_(params, 1 - lr * wd)
-            torch._foreach_add_(params, [updates[i] for i in idx], alpha=-lr * scale)
+            torch._foreach_add_(params, [updates[i] for i in idx], alpha=-lr * scale)  # bf16 updates into fp32
 
 
 def _by(items: list, key) -> dict:

@@ -23,12 +23,12 @@ def packed_batch(vocab: int = CFG.vocab_size) -> dict:
     return {"input_ids": torch.randint(0, vocab, (1, int(CU[-1]))), "cu_seqlens": CU.clone()}
 
 
-def step(model, plan, batch, memory=None):
+def step(model, plan, batch, memory=None, bf16=True):
     """One training forward and backward through the one-process plan: (loss, gradients)."""
     from contextlib import nullcontext
 
     model.zero_grad(set_to_none=True)
-    with torch.autocast("cuda", dtype=torch.bfloat16), (memory.forward() if memory else nullcontext()):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16), (memory.forward() if memory else nullcontext()):
         out = plan.loss(model, batch, 0.3)
     out.loss.backward()
     return out.lm_loss.float(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
@@ -120,11 +120,17 @@ def test_memory_policies_give_the_same_step_with_less_peak_memory():
 
 
 def test_compiled_regions_match_eager():
-    """Gradients on the variant with dense FFNs in every layer (through top-k routing they are not comparable: at
-    initialisation the router's scores nearly tie, and a different summation order flips expert choices, see
-    test_fla.py); the MoE model by its loss."""
+    """Compiled regions are as exact as eager code: on the variant with dense FFNs in every layer (through top-k
+    routing gradients are not comparable: at initialisation the router's scores nearly tie, and a different
+    summation order flips expert choices, see test_fla.py) each gradient of the bf16 compiled step is as close to
+    the fp32 step's (the reference KDA kernels, no autocast) as the bf16 eager step's is; the MoE model by its loss.
+    (Two bf16 runs of this model differ by ~6% RMS per gradient at initialisation whatever is compiled, as each does
+    from fp32: comparing them with each other says nothing finer.)"""
     from k3.layers.regions import set_region_compiler
     from k3.train.compile import compile_model
+
+    def rms_ratio(a, b):
+        return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
     previous = set_region_compiler(None)
     try:
@@ -132,13 +138,21 @@ def test_compiled_regions_match_eager():
             torch.manual_seed(0)
             model = K3ForCausalLM(cfg).cuda().train()
             plan = one_process()
+            if grads_too:
+                model.set_kda_backend("torch")
+                _, exact = step(model, plan, packed_batch(), bf16=False)
+                model.set_kda_backend("auto")
             ref_loss, ref_grads = step(model, plan, packed_batch())
             compile_model(model)
             for _ in range(2):  # the compiling call, then the compiled graphs
                 loss, grads = step(model, plan, packed_batch())
                 torch.testing.assert_close(loss, ref_loss, atol=2e-2, rtol=2e-3)
+                worse = {}
                 for n, g in ref_grads.items() if grads_too else ():
-                    assert_close(n, g, grads[n], 3e-2)
+                    eager, compiled = rms_ratio(g, exact[n]), rms_ratio(grads[n], exact[n])
+                    if eager > 0.15 or compiled > 1.25 * eager + 0.01:
+                        worse[n] = (round(eager, 4), round(compiled, 4))
+                assert not worse, f"gradients (eager, compiled) farther from fp32 than allowed: {worse}"
     finally:
         set_region_compiler(previous)
 

@@ -370,7 +370,7 @@ def main():
             rate, dt, _, _ = decode_rate(eng, ctx, B, args.steps)
             record({"model": label, "batch": B, "context": ctx, "tokens_per_s": rate, "step_ms": dt * 1e3,
                     "bytes_per_s": step_bytes(eng.model, eng.layout, B, ctx) / dt,
-                    "cache_bytes_per_request": eng.layout.kda_state_bytes + ctx * eng.layout.mla_bytes_per_token,
+                    "cache_bytes_per_request": _cache_bytes(cfg, dtype, ctx),
                     **({"budget": "all-MLA's cache bytes at batch %d" % args.long_batch}
                        if label == "k3 hybrid" and B == budget_batch and ctx == max(longs) else {})})
         eng.stop()

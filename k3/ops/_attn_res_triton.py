@@ -215,6 +215,43 @@ def _bwd_cols_kernel(S0, S1, S2, S3, S4, S5, S6, S7, S8, S9, S10, S11, G0, G1, G
         tl.store(DNW + grp * D + offs_d, dnw, mask=md)
 
 
+@triton.jit
+def _rows_kernel(S0, S1, S2, S3, S4, S5, S6, S7, S8, S9, S10, S11, DELTA, NEWP, Q, KN, NW, OUT, D, eps, norm_eps,
+                 NUM_S: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Inference, one row per program, the whole row in registers: with HAS_DELTA the last source is first
+    v = round(S_last + DELTA), the residual add of the sub-layer before (written to NEWP, the new partial sum);
+    then one pass over the sources with an online softmax, m = max logit so far, h = sum_s e^(l_s - m) v_s / sum_s
+    e^(l_s - m), rounded, and the pre-norm over the rounded h. No statistics kept: nothing to differentiate."""
+    n = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    md = offs < D
+    u = tl.load(Q + offs, mask=md, other=0.0).to(tl.float32) * tl.load(KN + offs, mask=md, other=0.0).to(tl.float32)
+    m = float("-inf")
+    den = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in tl.static_range(NUM_S):
+        P = _pick(s, S0, S1, S2, S3, S4, S5, S6, S7, S8, S9, S10, S11)
+        v = tl.load(P + n * D + offs, mask=md, other=0.0)
+        if HAS_DELTA and s == NUM_S - 1:
+            v = (v.to(tl.float32) + tl.load(DELTA + n * D + offs, mask=md, other=0.0).to(tl.float32)).to(
+                OUT.dtype.element_ty)
+            tl.store(NEWP + n * D + offs, v, mask=md)
+        v = v.to(tl.float32)
+        logit = tl.sum(v * u, 0) / tl.sqrt(tl.sum(v * v, 0) / D + eps)
+        m_new = tl.maximum(m, logit)
+        c = tl.exp(m - m_new)
+        e = tl.exp(logit - m_new)
+        acc = acc * c + e * v
+        den = den * c + e
+        m = m_new
+    h = (acc / den).to(OUT.dtype.element_ty)
+    if HAS_NORM:
+        hf = h.to(tl.float32)
+        r2 = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / D + norm_eps)
+        h = (hf * r2 * tl.load(NW + offs, mask=md, other=0.0).to(tl.float32)).to(OUT.dtype.element_ty)
+    tl.store(OUT + n * D + offs, h, mask=md)
+
+
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -238,8 +275,12 @@ def forward(sources: list[torch.Tensor], u: torch.Tensor, nw: torch.Tensor | Non
 
 
 def backward(dy: torch.Tensor, sources: list[torch.Tensor], u: torch.Tensor, nw: torch.Tensor | None,
-             stats: torch.Tensor, r2: torch.Tensor, block_n: int = 8, block_d: int = 256, groups: int | None = None):
-    """-> (the sources' gradients [N,D] each, du [D] fp32, dnw [D] fp32 or None)."""
+             stats: torch.Tensor, r2: torch.Tensor, block_n: int = 8, block_d: int = 256,
+             cols: tuple[int, int, int] = (32, 128, 4), programs_per_sm: int = 8, groups: int | None = None):
+    """-> (the sources' gradients [N,D] each, du [D] fp32, dnw [D] fp32 or None). ``cols`` = (rows per tile, D per
+    tile, warps) of the second kernel, which streams every source twice and writes its gradient: its tiles are
+    larger than the first kernel's so that each program keeps more bytes in flight (``benchmarks/bench_attn_res.py``
+    measures the choices)."""
     S, (N, D) = len(sources), sources[0].shape
     dy = dy.contiguous()
     grads = [torch.empty_like(s) for s in sources]
@@ -247,17 +288,34 @@ def backward(dy: torch.Tensor, sources: list[torch.Tensor], u: torch.Tensor, nw:
     c1 = torch.empty(N if nw is not None else 1, dtype=torch.float32, device=dy.device)
     bs = max(2, triton.next_power_of_2(S))
     bd = min(block_d, max(16, triton.next_power_of_2(D)))
-    meta = dict(NUM_S=S, HAS_NORM=nw is not None, BLOCK_S=bs, BLOCK_N=block_n, BLOCK_D=bd,
-                OUT_DTYPE=_TL[sources[0].dtype], num_warps=4)
+    meta = dict(NUM_S=S, HAS_NORM=nw is not None, BLOCK_S=bs, OUT_DTYPE=_TL[sources[0].dtype])
     nw_arg = nw if nw is not None else u
-    _bwd_rows_kernel[(triton.cdiv(N, block_n),)](*_padded(sources), dy, nw_arg, stats, r2, coef, c1, N, D, **meta)
+    _bwd_rows_kernel[(triton.cdiv(N, block_n),)](*_padded(sources), dy, nw_arg, stats, r2, coef, c1, N, D,
+                                                 BLOCK_N=block_n, BLOCK_D=bd, num_warps=4, **meta)
+    cn, cd, cw = cols
+    cd = min(cd, max(16, triton.next_power_of_2(D)))
     if groups is None:  # enough programs to fill the device; each group's weight-gradient partial sums in registers
         sms = torch.cuda.get_device_properties(dy.device).multi_processor_count if dy.is_cuda else 4
-        groups = max(1, min(triton.cdiv(N, block_n), 4 * sms // triton.cdiv(D, bd)))
-    rows_per_group = triton.cdiv(triton.cdiv(N, groups), block_n) * block_n
+        groups = max(1, min(triton.cdiv(N, cn), programs_per_sm * sms // triton.cdiv(D, cd)))
+    rows_per_group = triton.cdiv(triton.cdiv(N, groups), cn) * cn
     groups = triton.cdiv(N, rows_per_group)
     du = torch.empty(groups, D, dtype=torch.float32, device=dy.device)
     dnw = torch.empty(groups if nw is not None else 1, D, dtype=torch.float32, device=dy.device)
-    _bwd_cols_kernel[(triton.cdiv(D, bd), groups)](*_padded(sources), *_padded(grads), dy, u, nw_arg, stats, r2, coef,
-                                                   c1, du, dnw, N, D, rows_per_group, **meta)
+    _bwd_cols_kernel[(triton.cdiv(D, cd), groups)](*_padded(sources), *_padded(grads), dy, u, nw_arg, stats, r2, coef,
+                                                   c1, du, dnw, N, D, rows_per_group, BLOCK_N=cn, BLOCK_D=cd,
+                                                   num_warps=cw, **meta)
     return grads, du.sum(0), (dnw.sum(0) if nw is not None else None)
+
+def rows(sources: list[torch.Tensor], delta: torch.Tensor | None, query: torch.Tensor, key_norm: torch.Tensor,
+         nw: torch.Tensor | None, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Inference: sources S contiguous [N,D] tensors of one dtype (with ``delta`` [N,D], the last one is replaced by
+    last + delta first); query, key_norm, nw [D] in any dtype (nw may be None), widened in the kernel -> (out [N,D],
+    the new last source or None)."""
+    S, (N, D) = len(sources), sources[0].shape
+    out = torch.empty_like(sources[0])
+    newp = torch.empty_like(sources[0]) if delta is not None else None
+    _rows_kernel[(N,)](*_padded(sources), delta if delta is not None else out, newp if newp is not None else out,
+                       query, key_norm, nw if nw is not None else query, out, D, eps, norm_eps, NUM_S=S, HAS_DELTA=delta is not None,
+                       HAS_NORM=nw is not None, BLOCK_D=max(16, triton.next_power_of_2(D)),
+                       num_warps=4 if D <= 2048 else 8)
+    return out, newp

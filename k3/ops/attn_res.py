@@ -13,7 +13,7 @@ from .norms import rms_norm
 from .precision import upcast
 
 __all__ = ["attn_res_logits", "attn_res_mix", "attn_res_partial", "attn_res_merge", "attn_res_mix_norm",
-           "attn_res_mix_norm_reference", "attn_res_mix_norm_triton"]
+           "attn_res_add_mix_norm", "attn_res_mix_norm_reference", "attn_res_mix_norm_triton"]
 
 
 def _unit_rms(v: torch.Tensor, eps: float) -> torch.Tensor:
@@ -111,17 +111,76 @@ KERNEL_MIN_ROWS = 1024
 
 def attn_res_mix_norm(sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float,
                       norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-5):
-    """The Triton kernels on CUDA (when importable, for up to 12 sources of one dtype and shape and at least
-    ``KERNEL_MIN_ROWS`` rows: training steps and long prefill chunks), the reference elsewhere, also for a decode
-    step's few rows, where ``torch.compile`` fuses the reference into the step's graph. Same arguments as
-    ``attn_res_mix_norm_reference``."""
+    """Same arguments and result as ``attn_res_mix_norm_reference``; where it runs:
+    - inference on CUDA (no gradient, Triton importable, up to 12 sources of one dtype and shape): one Triton kernel
+      per call, one program per row (``_rows``; a decode step's 24 mixes are 24 launches);
+    - training on CUDA with at least ``KERNEL_MIN_ROWS`` rows: the Triton forward and backward
+      (``attn_res_mix_norm_triton``);
+    - elsewhere the reference (CPU; a few rows with gradients, where ``torch.compile`` fuses it)."""
+    if not uses_kernel(sources):
+        return attn_res_mix_norm_reference(sources, query, key_norm_weight, eps, norm_weight, norm_eps)
+    if not torch.is_grad_enabled():
+        return _rows(sources, None, query, key_norm_weight, eps, norm_weight, norm_eps)[0]
+    return attn_res_mix_norm_triton(sources, query, key_norm_weight, eps, norm_weight, norm_eps)
+
+
+def uses_kernel(sources: list[torch.Tensor]) -> bool:
+    """``attn_res_mix_norm`` runs a Triton kernel for these sources (else the reference)."""
+    return kernel_applies(sources) and (not torch.is_grad_enabled()
+                                        or sources[0].numel() >= KERNEL_MIN_ROWS * sources[0].shape[-1])
+
+
+def attn_res_add_mix_norm(sources: list[torch.Tensor], delta: torch.Tensor, query: torch.Tensor,
+                          key_norm_weight: torch.Tensor, eps: float, norm_weight: torch.Tensor | None = None,
+                          norm_eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add of the sub-layer before, then the mix: last = sources[-1] + delta replaces the last source
+    (the partial sum), -> (attn_res_mix_norm(sources[:-1] + [last], ...), last). In inference on CUDA the add is
+    done inside the mix's kernel (one launch, the partial sum read once); elsewhere it is the add, then
+    ``attn_res_mix_norm``."""
+    last = sources[-1]
+    if not torch.is_grad_enabled() and delta.dtype == last.dtype and delta.shape == last.shape and \
+            kernel_applies(sources):
+        return _rows(sources, delta, query, key_norm_weight, eps, norm_weight, norm_eps)
+    last = last + delta
+    return attn_res_mix_norm(sources[:-1] + [last], query, key_norm_weight, eps, norm_weight, norm_eps), last
+
+
+def kernel_applies(sources: list[torch.Tensor]) -> bool:
+    """The Triton kernels take these sources: CUDA, Triton importable, up to 12 of one dtype and shape."""
     x = sources[0]
-    if x.is_cuda and x.numel() >= KERNEL_MIN_ROWS * x.shape[-1] and triton_available() and _fits(sources):
-        return attn_res_mix_norm_triton(sources, query, key_norm_weight, eps, norm_weight, norm_eps)
-    return attn_res_mix_norm_reference(sources, query, key_norm_weight, eps, norm_weight, norm_eps)
+    return x.is_cuda and triton_available() and _fits(sources)
 
 
 def _fits(sources) -> bool:
     x = sources[0]
     return (len(sources) <= 12 and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and all(s.dtype == x.dtype and s.shape == x.shape for s in sources))
+
+
+def _rows(sources, delta, query, key_norm_weight, eps, norm_weight, norm_eps):
+    shape = sources[0].shape
+    out, last = torch.ops.k3.attn_res_rows([s.reshape(-1, shape[-1]) for s in sources],
+                                           delta.reshape(-1, shape[-1]) if delta is not None else None, query,
+                                           key_norm_weight, norm_weight, float(eps), float(norm_eps))
+    return out.view(shape), (last.view(shape) if delta is not None else None)
+
+
+@torch.library.custom_op("k3::attn_res_rows", mutates_args=())
+def _attn_res_rows(sources: list[torch.Tensor], delta: torch.Tensor | None, query: torch.Tensor,
+                   key_norm_weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
+                   norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inference (no autograd formula): ``_attn_res_triton.rows`` as an op opaque to torch.compile, so a compiled
+    decode step calls the one kernel instead of the reference's fused pieces. Returns (out, new last source;
+    an empty tensor without ``delta``)."""
+    from . import _attn_res_triton as k
+
+    out, last = k.rows([s.contiguous() for s in sources], delta.contiguous() if delta is not None else None,
+                       query.contiguous(), key_norm_weight.contiguous(),
+                       norm_weight.contiguous() if norm_weight is not None else None, eps, norm_eps)
+    return out, (last if last is not None else out.new_empty(0))
+
+
+@_attn_res_rows.register_fake
+def _(sources, delta, query, key_norm_weight, norm_weight, eps, norm_eps):
+    x = sources[0]
+    return torch.empty_like(x), (torch.empty_like(x) if delta is not None else x.new_empty(0))

@@ -2,7 +2,8 @@
 
 What is compiled, per decoder layer (the MTP layer's too): the FFN (a LatentMoE: router, latent projections,
 dispatch, expert matmuls, combine, norm and shared experts; or the dense GatedMLP), KDA's gated per-head output
-norm, every "attn_res" region (``k3.layers.regions``: the AttnRes mix and the sub-layer's pre-norm), every
+norm, every "attn_res" region (``k3.layers.regions``: the AttnRes mix and the sub-layer's pre-norm; on CUDA it is
+one Triton kernel forward and backward, which runs as it is), every
 "kda_activations" region (the L2 norms, forget gate and beta between KDA's short convs and its recurrence) and the
 "lm_loss" region (a chunk's LM head and cross-entropy: the fp32 cast, log-softmax and gather fused over the bf16
 logits). These are the parts made of many small elementwise and reduction kernels. The token mixers' kernels (fla's KDA, MLA's
@@ -47,9 +48,22 @@ def compile_model(model: nn.Module, **options) -> None:
         if name not in ("attn_res", "kda_activations", "lm_loss"):  # "moe_experts" runs inside a compiled FFN
             return fn
         if fn not in compiled:
-            compiled[fn] = torch.compile(fn, **options)
+            compiled[fn] = _unless_kernel(fn, torch.compile(fn, **options)) if name == "attn_res" else \
+                torch.compile(fn, **options)
         return compiled[fn]
 
     # one graph per number of depth sources (up to the number of AttnRes blocks + 1), train and eval
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     set_region_compiler(compiler)
+
+
+def _unless_kernel(fn, compiled_fn):
+    """An "attn_res" region (``fn(eps, proj_weight, key_norm_weight, norm, *sources)``) runs eagerly where it is one
+    Triton kernel (``k3.ops.attn_res.uses_kernel``: CUDA, enough rows): compiling it then adds only dynamo's guards
+    and a graph break around the kernel, on every call."""
+    from ..ops.attn_res import uses_kernel
+
+    def run(*args):
+        return fn(*args) if uses_kernel(list(args[4:])) else compiled_fn(*args)
+
+    return run

@@ -1,0 +1,126 @@
+"""AttnRes's mix + pre-norm kernels (SPEC §3, ``k3.ops.attn_res``) on one GPU, bf16, each against the compiled
+reference at the same shapes:
+- training (``--sections train``): the Triton forward and backward of ``attn_res_mix_norm_triton`` at a training
+  step's rows (8 x 4096 tokens), the backward's second kernel at several tile shapes (rows, D, warps), and the bytes
+  the backward must move (every source read twice, dy read, every gradient written) against the device's bandwidth;
+- inference (``--sections rows``): the one-program-per-row kernel (``k3::attn_res_rows``, the add of the sub-layer
+  before inside it) against ``torch.compile`` of the add + reference mix, at decode batch sizes, each timed as a
+  CUDA graph of 20 calls (kernel time without Python's launch cost).
+
+    python benchmarks/bench_attn_res.py [--sections train,rows] [--widths 768,2048] [--sources 3,5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import cuda_time_ms, header  # noqa: E402
+from k3.ops import _attn_res_triton as kernels  # noqa: E402
+from k3.ops.attn_res import attn_res_mix_norm_reference, attn_res_mix_norm_triton  # noqa: E402
+
+COLS = [(8, 256, 4), (16, 256, 4), (32, 128, 4), (32, 256, 8), (64, 128, 8), (16, 128, 4)]
+
+
+def inputs(S, N, D, grad=False):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sources = [torch.randn(N, D, device="cuda", generator=g).to(torch.bfloat16).requires_grad_(grad) for _ in range(S)]
+    q = (torch.randn(D, device="cuda", generator=g) / D ** 0.5).requires_grad_(grad)
+    kn = torch.ones(D, device="cuda").requires_grad_(grad)
+    nw = torch.ones(D, device="cuda").requires_grad_(grad)
+    return sources, q, kn, nw
+
+
+def train_rows(S, N, D, hbm):
+    sources, q, kn, nw = inputs(S, N, D, grad=True)
+    dy = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
+    params = [*sources, q, kn, nw]
+    ref = torch.compile(attn_res_mix_norm_reference)
+
+    def fwd_bwd(fn):
+        y = fn(sources, q, kn, 1e-5, nw, 1e-5)
+        torch.autograd.grad(y, params, dy)
+
+    out = {"S": S, "N": N, "D": D,
+           "triton_fwd_ms": cuda_time_ms(lambda: attn_res_mix_norm_triton(sources, q, kn, 1e-5, nw, 1e-5)),
+           "triton_fwd_bwd_ms": cuda_time_ms(lambda: fwd_bwd(attn_res_mix_norm_triton)),
+           "compiled_ref_fwd_bwd_ms": cuda_time_ms(lambda: fwd_bwd(ref))}
+    flat = [s.detach() for s in sources]
+    u = (q * kn).detach().float()
+    _, stats, r2 = kernels.forward(flat, u, nw.detach(), 1e-5, 1e-5)
+    bwd_bytes = (3 * S + 1) * N * D * 2  # sources twice (h recomputed, then each dv) + dy in, every dv out
+    cols = {}
+    for c in COLS:
+        ms = cuda_time_ms(lambda: kernels.backward(dy, flat, u, nw.detach(), stats, r2, cols=c), iters=10)
+        cols["x".join(map(str, c))] = {"ms": ms, "of_hbm": bwd_bytes / (ms * 1e-3) / hbm}
+        print(f"  S={S} N={N} D={D} backward with cols tile {c}: {ms:.3f} ms "
+              f"({bwd_bytes / (ms * 1e-3) / 1e12:.2f} TB/s, {cols['x'.join(map(str, c))]['of_hbm']:.0%})", flush=True)
+    out["backward_by_cols_tile"] = cols
+    print(f"  S={S} N={N} D={D}: triton fwd {out['triton_fwd_ms']:.3f} ms, fwd+bwd {out['triton_fwd_bwd_ms']:.3f} ms; "
+          f"compiled reference fwd+bwd {out['compiled_ref_fwd_bwd_ms']:.3f} ms", flush=True)
+    return out
+
+
+def graph_ms(fn, calls=20):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return cuda_time_ms(g.replay, iters=20) / calls
+
+
+def decode_rows(S, B, D):
+    sources, q, kn, nw = inputs(S, B, D)
+    delta = torch.randn_like(sources[-1])
+
+    def add_then_mix(sources, delta, q, kn, nw):
+        last = sources[-1] + delta
+        return attn_res_mix_norm_reference(sources[:-1] + [last], q, kn, 1e-5, nw, 1e-5), last
+
+    ref = torch.compile(add_then_mix)
+    with torch.no_grad():
+        kern = graph_ms(lambda: torch.ops.k3.attn_res_rows(sources, delta, q, kn, nw, 1e-5, 1e-5))
+        comp = graph_ms(lambda: ref(sources, delta, q, kn, nw))
+    print(f"  S={S} B={B} D={D}: row kernel {kern * 1e3:.1f} us, compiled add + reference {comp * 1e3:.1f} us "
+          f"({comp / kern:.2f}x)", flush=True)
+    return {"S": S, "B": B, "D": D, "row_kernel_us": kern * 1e3, "compiled_reference_us": comp * 1e3}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sections", default="train,rows")
+    ap.add_argument("--widths", default="768,2048")
+    ap.add_argument("--sources", default="3,5")
+    ap.add_argument("--rows", type=int, default=32768, help="training rows (tokens per step)")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--hbm-tb-s", type=float, default=4.3, help="the bandwidth the fractions are of (bench_decode's 4.3 TB/s)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_attn_res.py times Triton kernels: it needs a CUDA device")
+    sections = args.sections.split(",")
+    res = {**header(), "train": [], "rows": []}
+    for D in map(int, args.widths.split(",")):
+        for S in map(int, args.sources.split(",")):
+            if "train" in sections:
+                res["train"].append(train_rows(S, args.rows, D, args.hbm_tb_s * 1e12))
+            if "rows" in sections:
+                for B in map(int, args.batches.split(",")):
+                    res["rows"].append(decode_rows(S, B, D))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

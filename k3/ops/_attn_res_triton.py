@@ -307,7 +307,8 @@ def backward(dy: torch.Tensor, sources: list[torch.Tensor], u: torch.Tensor, nw:
     return grads, du.sum(0), (dnw.sum(0) if nw is not None else None)
 
 def rows(sources: list[torch.Tensor], delta: torch.Tensor | None, query: torch.Tensor, key_norm: torch.Tensor,
-         nw: torch.Tensor | None, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+         nw: torch.Tensor | None, eps: float, norm_eps: float,
+         num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Inference: sources S contiguous [N,D] tensors of one dtype (with ``delta`` [N,D], the last one is replaced by
     last + delta first); query, key_norm, nw [D] in any dtype (nw may be None), widened in the kernel -> (out [N,D],
     the new last source or None)."""
@@ -317,5 +318,5 @@ def rows(sources: list[torch.Tensor], delta: torch.Tensor | None, query: torch.T
     _rows_kernel[(N,)](*_padded(sources), delta if delta is not None else out, newp if newp is not None else out,
                        query, key_norm, nw if nw is not None else query, out, D, eps, norm_eps, NUM_S=S, HAS_DELTA=delta is not None,
                        HAS_NORM=nw is not None, BLOCK_D=max(16, triton.next_power_of_2(D)),
-                       num_warps=4 if D <= 2048 else 8)
+                       num_warps=num_warps or (4 if D <= 2048 else 8))
     return out, newp

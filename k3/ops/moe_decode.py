@@ -36,13 +36,14 @@ def decode_applies(z: torch.Tensor, idx: torch.Tensor) -> bool:
 
 
 def expert_decode(z, weights, idx, w1, w3, w2, act: str, b1: float, b2: float) -> torch.Tensor:
-    """z [N,L], weights [N,k] fp32, idx [N,k]; w1, w3 [E,I,L], w2 [E,L,I] -> u [N,L] fp32 (Triton kernels; they
-    also run under TRITON_INTERPRET=1 on CPU tensors). The custom op (opaque to torch.compile) returns each routed
-    row's weighted output [N,k,L]; the sum over a token's k rows is left to the caller's graph, where inductor
-    fuses it into the next elementwise kernel (one launch less per layer than summing inside the op)."""
+    """z [N,L], weights [N,k] fp32, idx [N,k]; w1, w3 [E,I,L], w2 [E,L,I] -> each routed row's weighted output
+    [N,k,L] fp32 (Triton kernels; they also run under TRITON_INTERPRET=1 on CPU tensors), as a custom op opaque to
+    torch.compile. The sum over a token's k rows is the caller's: inductor fuses it into the next elementwise kernel,
+    or ``k3.ops.proj_decode.moe_output_decode`` does it inside the output projection (one launch less per layer
+    than summing inside the op)."""
     if act not in ("situ", "silu", "swiglu"):
         raise ValueError(f"unknown activation {act!r}; expected 'situ' or 'silu'")
-    return torch.ops.k3.expert_decode(z, weights, idx, w1, w3, w2, act == "situ", float(b1), float(b2)).sum(1)
+    return torch.ops.k3.expert_decode(z, weights, idx, w1, w3, w2, act == "situ", float(b1), float(b2))
 
 
 @torch.library.custom_op("k3::expert_decode", mutates_args=())

@@ -94,7 +94,8 @@ def test_inference_row_kernel_is_the_add_then_the_reference_mix(S, N, D, norm, d
 
 def test_depth_stream_with_the_add_in_the_mix_equals_the_plain_stream(monkeypatch):
     """A whole no-grad forward with the inference path (each write's add pending, done by the next read's row
-    kernel; Triton's interpreter on CPU) gives the logits of the plain stream (every add done at the write)."""
+    kernel; on CPU through Triton's interpreter) gives the logits of the plain stream (every add done at the write,
+    as under autograd)."""
     import k3.layers.depth.attn_res as depth
     import k3.ops.attn_res as ops
     from k3.config import K3Config
@@ -102,23 +103,25 @@ def test_depth_stream_with_the_add_in_the_mix_equals_the_plain_stream(monkeypatc
 
     torch.manual_seed(0)
     cfg = K3Config.preset("tiny")
-    model = K3ForCausalLM(cfg).eval()
+    model = K3ForCausalLM(cfg).to(DEV).eval()
     for n, p in model.named_parameters():  # AttnRes queries start at zero (uniform mixing): give them a direction
         if n.endswith("res_proj.weight"):
             p.data.normal_(0, 0.5)
-    ids = torch.randint(0, cfg.vocab_size, (2, 9))
-    with torch.no_grad():
-        ref = model(ids).logits
-        calls = []
-        real = ops._rows
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), device=DEV)
+    with torch.enable_grad():  # the plain stream: every add at its write (the row kernel is for inference only)
+        ref = model(ids).logits.detach()
+    calls = []
+    real = ops._rows
 
-        def counted(*a):
-            calls.append(a[1] is not None)
-            return real(*a)
+    def counted(*a):
+        calls.append(a[1] is not None)
+        return real(*a)
 
+    if DEV == "cpu":  # the kernels take CPU tensors only under the interpreter
         monkeypatch.setattr(depth, "kernel_applies", lambda sources: True)
         monkeypatch.setattr(ops, "kernel_applies", lambda sources: True)
-        monkeypatch.setattr(ops, "_rows", counted)
+    monkeypatch.setattr(ops, "_rows", counted)
+    with torch.no_grad():
         fused = model(ids).logits
     assert calls and any(calls), "the row kernel never ran with a pending add"
     assert_close("logits", ref, fused, 1e-5)

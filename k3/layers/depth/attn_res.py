@@ -31,35 +31,27 @@ class PseudoQuery(nn.Module):
 class DepthStream:
     """Holds the sources of one forward pass. mode: "block"/"full" (AttnRes) or "none" (plain residual).
 
-    In inference on CUDA a sub-layer's write is kept pending (``partial`` + ``delta``) and the next read does the
-    add inside its mix kernel (``attn_res_add_mix_norm``): one launch and one pass over the partial sum instead of
-    an add, then a mix. ``partial`` always gives the sum (doing the add when one is pending)."""
+    In inference on CUDA a sub-layer's write is kept ``pending`` and the next read does the add inside its mix kernel
+    (``attn_res_add_mix_norm``): one launch and one pass over the partial sum instead of an add, then a mix. The
+    running sum of the current block is then ``partial + pending``; ``pending`` is None whenever autograd records."""
 
     def __init__(self, embedding: torch.Tensor, mode: str, block_size: int, eps: float):
         self.mode, self.block_size, self.eps = mode, block_size, eps
         self.blocks: list[torch.Tensor] = []  # sealed blocks b_0 (the embedding), b_1, ...
-        self._partial: torch.Tensor | None = embedding  # running sum of the current block (without ``_delta``)
-        self._delta: torch.Tensor | None = None  # a written sub-layer output not yet added to ``_partial``
+        self.partial: torch.Tensor | None = embedding  # running sum of the current block (less ``pending``)
+        self.pending: torch.Tensor | None = None  # a written sub-layer output not yet added to ``partial``
         self.sublayer = 0
-
-    @property
-    def partial(self) -> torch.Tensor | None:
-        if self._delta is not None:
-            self._partial, self._delta = self._partial + self._delta, None
-        return self._partial
-
-    @partial.setter
-    def partial(self, value: torch.Tensor | None) -> None:
-        self._partial, self._delta = value, None
 
     def read(self, query: PseudoQuery | None, norm: nn.Module | None = None) -> torch.Tensor:
         """The input of the next sub-layer, through the sub-layer's pre-norm ``norm`` when given; seals a block when
         the sub-layer opens a new one."""
         if self.mode == "none":
             return self.partial if norm is None else norm(self.partial)
-        if self._delta is not None and self.blocks:  # the pending add, done by the mix
+        if self.pending is not None and self.blocks:  # the pending add, done by the mix
             h, self.partial = self._add_and_mix(query, norm)
+            self.pending = None
         else:
+            self._add_pending()
             sources = self.blocks + ([self.partial] if self.partial is not None else [])
             if len(sources) > 1:
                 h = self._mix(query, sources, norm)
@@ -72,22 +64,28 @@ class DepthStream:
         return h
 
     def write(self, out: torch.Tensor) -> None:
-        if self._partial is None:
-            self._partial = out
-        elif self._delta is None and self.mode != "none" and not torch.is_grad_enabled() and \
-                kernel_applies([self._partial, out]):
-            self._delta = out  # added by the next read's kernel
+        if self.partial is None:
+            self.partial = out
+        elif self.pending is None and self.mode != "none" and not torch.is_grad_enabled() and \
+                kernel_applies([self.partial, out]):
+            self.pending = out  # added by the next read's kernel
         else:
-            self._partial = self.partial + out
+            self._add_pending()
+            self.partial = self.partial + out
 
     def output(self, query: PseudoQuery | None) -> torch.Tensor:
         """The final mix (output pseudo-query) before the last norm."""
         if self.mode == "none":
             return self.partial
-        if self._delta is not None and self.blocks:
+        if self.pending is not None and self.blocks:
             return self._add_and_mix(query)[0]
+        self._add_pending()
         sources = self.blocks + ([self.partial] if self.partial is not None else [])
         return self._mix(query, sources)
+
+    def _add_pending(self) -> None:
+        if self.pending is not None:
+            self.partial, self.pending = self.partial + self.pending, None
 
     def _mix(self, query: PseudoQuery, sources: list[torch.Tensor], norm: nn.Module | None = None) -> torch.Tensor:
         """The "attn_res" region (k3.layers.regions): the mix and the sub-layer's pre-norm. Its inputs are the
@@ -98,7 +96,7 @@ class DepthStream:
 
     def _add_and_mix(self, query: PseudoQuery, norm: nn.Module | None = None):
         """Inference: (the mix of blocks + [partial + delta], partial + delta), the add inside the kernel."""
-        return attn_res_add_mix_norm(self.blocks + [self._partial], self._delta, query.proj.weight[0],
+        return attn_res_add_mix_norm(self.blocks + [self.partial], self.pending, query.proj.weight[0],
                                      query.norm.weight, self.eps, norm.weight if norm is not None else None,
                                      norm.eps if norm is not None else 0.0)
 

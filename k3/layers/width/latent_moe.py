@@ -18,6 +18,7 @@ from torch import nn
 from ...config import K3Config
 from ...ops.grouped_mm import grouped_mm
 from ...ops.moe_decode import decode_applies, expert_decode
+from ...ops.proj_decode import moe_output_decode, proj_decode_applies
 from ...ops.mx import fake_quant_mxfp4, fake_quant_mxfp8
 from ...ops.routing import bincount, combine_rows, dispatch_rows, inverse_permutation
 from ...ops.situ import glu
@@ -55,9 +56,17 @@ class ExpertBank(nn.Module):
         saves h and w h [M,I] in the compute dtype instead of the expert output [M,L] in fp32, and forms the
         weight's gradient as rowsum(h * (dy W2)) from the act output and the gradient the down projection needs
         anyway (SonicMoE's rewrite); equal to weighting afterwards up to float rounding."""
-        if self.qat is None and decode_applies(z, idx):  # a few tokens on CUDA, no gradient: two fused kernels
-            return expert_decode(z, weights, idx, self.w1, self.w3, self.w2, self.act, self.b1, self.b2)
+        rows = self.decode_rows(z, weights, idx)
+        if rows is not None:
+            return rows.sum(1)
         return route_to_experts(z, weights, idx, self.w1.shape[0], self.compute)
+
+    def decode_rows(self, z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
+        """A few tokens on CUDA, no gradient: each routed row's weighted output [N,k,L] fp32 from two fused kernels
+        (``k3.ops.moe_decode``); None where that path does not apply."""
+        if self.qat is None and decode_applies(z, idx):
+            return expert_decode(z, weights, idx, self.w1, self.w3, self.w2, self.act, self.b1, self.b2)
+        return None
 
     def compute(self, x: torch.Tensor, counts: torch.Tensor, row_weights: torch.Tensor | None = None) -> torch.Tensor:
         """x [M,L] sorted by expert, counts [E], row_weights [M,1] (or None) -> each row's expert output [M,L]."""
@@ -127,6 +136,23 @@ class LatentMoE(nn.Module):
         if self.shared_experts is not None and self.routed_expert_up_proj is not None:
             self.out_proj, _ = fuse_linears([self.routed_expert_up_proj, self.shared_experts.down_proj], by_input=True)
 
+    def _decode_output(self, x, fused, z, weights, idx) -> torch.Tensor | None:
+        """A decode step's few rows on CUDA: the routed experts' rows from their fused kernels, then ONE kernel for
+        the sum over k, the latent norm, the shared experts' activation and the fused output projection
+        (``k3.ops.proj_decode.moe_output_decode``). None where that path does not apply (then the general one)."""
+        if self.shared_experts is None or self.routed_expert_up_proj is None or not use_fused(self.out_proj) \
+                or not proj_decode_applies(x, x.shape[0], self.out_proj):
+            return None
+        decode_rows = getattr(self.experts, "decode_rows", None)  # a packed MXFP4 bank has its own decode path
+        rows = decode_rows(z, weights, idx) if decode_rows is not None else None
+        if rows is None:
+            return None
+        L, Is = self._in_sizes[0], self._in_sizes[-1]
+        norm = self.routed_expert_norm
+        return moe_output_decode(rows, fused, L, L + Is, Is, norm.weight if norm is not None else None,
+                                 norm.eps if norm is not None else 0.0, self.out_proj, self.shared_experts.act,
+                                 self.shared_experts.b1, self.shared_experts.b2)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N,D]
@@ -135,8 +161,12 @@ class LatentMoE(nn.Module):
             self.last_routing = (scores.detach(), idx.detach())
         shared = h_shared = None
         if use_fused(self.in_proj):  # inference: z and the shared experts' gate/up from one matmul
-            parts = F.linear(x, self.in_proj).split(self._in_sizes, dim=-1)
+            fused = F.linear(x, self.in_proj)
+            parts = fused.split(self._in_sizes, dim=-1)
             z = parts[0] if self.routed_expert_down_proj is not None else x
+            y = self._decode_output(x, fused, z, weights, idx)
+            if y is not None:
+                return y.reshape(shape)
             h_shared = self.shared_experts.activation(*parts[-2:])
             if not use_fused(self.out_proj):
                 shared = self.shared_experts.down_proj(h_shared)

@@ -22,14 +22,33 @@ import torch
 
 from ._triton import triton_available
 
-__all__ = ["proj_decode_applies", "moe_output_decode", "kda_output_decode", "ROWS"]
+__all__ = ["proj_decode_applies", "moe_output_decode", "kda_output_decode", "moe_output_width", "kda_output_width",
+           "ROWS", "TILE"]
 
 ROWS = int(os.environ.get("K3_PROJ_DECODE_ROWS", "8"))
 
 
-def proj_decode_applies(x: torch.Tensor, rows: int, weight: torch.Tensor) -> bool:
-    """The fused kernel runs: CUDA, no gradient, at most ROWS rows, a plain contiguous weight, Triton importable."""
-    return (x.is_cuda and not torch.is_grad_enabled() and rows <= ROWS and weight.is_contiguous()
+TILE = 4096  # most weight elements one program holds (k3.ops._proj_decode_triton): a row's padded input width
+
+
+def _pow2(x: int) -> int:
+    return max(2, 1 << (x - 1).bit_length())
+
+
+def moe_output_width(latent: int, shared: int) -> int:
+    """The padded input width of ``moe_output_decode``'s tile."""
+    return _pow2(latent) + (_pow2(shared) if shared else 0)
+
+
+def kda_output_width(heads: int, head_dim: int) -> int:
+    """The padded input width of ``kda_output_decode``'s tile."""
+    return _pow2(heads) * _pow2(head_dim)
+
+
+def proj_decode_applies(x: torch.Tensor, rows: int, weight: torch.Tensor, width: int) -> bool:
+    """The fused kernel runs: CUDA, no gradient, at most ROWS rows, a plain contiguous weight whose padded input
+    ``width`` fits one program's tile, Triton importable."""
+    return (x.is_cuda and not torch.is_grad_enabled() and rows <= ROWS and width <= TILE and weight.is_contiguous()
             and weight.dtype in (torch.bfloat16, torch.float16, torch.float32) and triton_available())
 
 

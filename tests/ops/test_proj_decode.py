@@ -65,8 +65,8 @@ def _decode_paths_on(monkeypatch):
         import k3.layers.sequence.kda as kda
         import k3.layers.width.latent_moe as moe
 
-        def applies(x, rows, weight):
-            return not torch.is_grad_enabled() and rows <= 8
+        def applies(x, rows, weight, width):
+            return not torch.is_grad_enabled() and rows <= 8 and width <= 4096
 
         monkeypatch.setattr(moe, "proj_decode_applies", applies)
         monkeypatch.setattr(kda, "proj_decode_applies", applies)

@@ -3,7 +3,8 @@
 # cannot eat the others. Results land in $OUT, packed at the end into $OUT/gpu_session.tgz (JSON + logs) and
 # $OUT/autotune.tgz (fla's Triton autotuning results: extract into .tcache/ and carry it next time to skip it).
 #   usage (device tool, carrying .whl with fla-core, and .tcache if you have one): bash benchmarks/gpu_session.sh [steps...]
-#   one GPU:  tests serve decode train trainc profile memory cp kda kdadec packed quant qdecode post   (default: tests serve train cp)
+#   one GPU:  tests serve decode train trainc profile memory cp kda kdadec attnres packed quant qdecode post
+#             (default: tests serve train cp)
 #   2+ GPUs:  nccl flacp kcp scale             (the distributed suite over NCCL, fla CP vs KCP, multi-GPU throughput)
 #   T_TESTS=300 etc. (T_<STEP>, upper case) override a step's limit in seconds.
 #   TESTS replaces the tests step's test files (pytest arguments).
@@ -39,7 +40,7 @@ for s in $steps; do
   case $s in
     tests)  timeout ${T_TESTS:-420} python3 -m pytest -q -p no:cacheprovider -W ignore ${TESTS:-tests/gpu/test_fla.py tests/gpu/test_train_gpu.py tests/gpu/test_vision_gpu.py tests/gpu/test_rollout_gpu.py} 2>&1 | tee "$L/gpu_tests.log" ;;
     # the engine: decode kernels compiled, graph runner == eager runner == full forward, then the decode benchmark
-    serve)  timeout ${T_SERVE_TESTS:-420} python3 -m pytest -q -s -p no:cacheprovider -W ignore tests/ops/test_decode_kernels.py tests/gpu/test_engine_parts_gpu.py tests/gpu/test_engine_gpu.py 2>&1 | tee "$L/serve_tests.log"
+    serve)  timeout ${T_SERVE_TESTS:-420} python3 -m pytest -q -s -p no:cacheprovider -W ignore tests/ops/test_decode_kernels.py tests/ops/test_proj_decode.py tests/ops/test_attn_res_kernel.py tests/gpu/test_engine_parts_gpu.py tests/gpu/test_engine_gpu.py 2>&1 | tee "$L/serve_tests.log"
             timeout ${T_SERVE:-420} python3 benchmarks/bench_decode.py --profile ${DECODE_ARGS:-} --json "$L/bench_decode.json" 2>&1 | tee "$L/bench_decode.log" ;;
     # the decode benchmark alone (DECODE_ARGS as above)
     decode) timeout ${T_DECODE:-420} python3 benchmarks/bench_decode.py --profile ${DECODE_ARGS:-} --json "$L/bench_decode.json" 2>&1 | tee "$L/bench_decode.log" ;;
@@ -68,6 +69,8 @@ for s in $steps; do
             cp /tmp/k3-post/results.json /tmp/k3-post/*.png "$L/" 2>/dev/null ;;  # the figures, not the checkpoints
     # the KDA decode step's kernels alone: the fused kernel per V tile against fla-core's recurrence, CUDA-graph timed
     kdadec) timeout ${T_KDADEC:-120} python3 benchmarks/bench_kda.py --decode --json "$L/bench_kda_decode.json" 2>&1 | tee "$L/bench_kda_decode.log" ;;
+    # AttnRes's kernels: the training forward/backward (the backward's column-kernel tiles), the inference row kernel
+    attnres) timeout ${T_ATTNRES:-240} python3 benchmarks/bench_attn_res.py --json "$L/bench_attn_res.json" 2>&1 | tee "$L/bench_attn_res.log" ;;
     kda)    timeout ${T_KDA:-420} python3 benchmarks/bench_kda.py --json "$L/bench_kda.json" 2>&1 | tee "$L/bench_kda.log" ;;
     # the suite checks the distributed logic with the reference KDA kernels (no fla autotuning in every spawned
     # process: that alone outlasted the step's limit); fla's kernels under CP are the flacp step's
@@ -75,7 +78,7 @@ for s in $steps; do
     flacp)  timeout ${T_FLACP:-420} python3 -m pytest -q -s -p no:cacheprovider -W ignore tests/gpu/test_fla_cp.py 2>&1 | tee "$L/fla_cp_test.log" ;;
     kcp)    for r in 1 $NGPU; do timeout ${T_KCP:-300} $TR $r benchmarks/bench_kcp.py --json "$L/bench_kcp_r$r.json" 2>&1 | tee "$L/bench_kcp_r$r.log"; done ;;
     scale)  timeout ${T_SCALE:-540} python3 benchmarks/bench_scale.py --gpus $NGPU --json "$L/bench_scale.json" 2>&1 | tee "$L/bench_scale.log" ;;
-    *) echo "unknown step $s (tests serve decode train trainc profile memory cp kda kdadec packed quant qdecode post nccl flacp kcp scale)"; exit 2 ;;
+    *) echo "unknown step $s (tests serve decode train trainc profile memory cp kda kdadec attnres packed quant qdecode post nccl flacp kcp scale)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/gpu_session.tgz" -C "$OUT" logs && rm -rf "$L"

@@ -10,8 +10,10 @@ cuBLAS runs each of these matmuls as a GEMV at one or a few rows, after one or t
 launches per layer, each a few microseconds at batch 1. Here one Triton kernel per layer does both: each program
 recomputes its row's input vector (a few KB, from L2) and multiplies one block of the weight's rows by it. Values
 are rounded where the unfused path rounds them (each input vector to the weights' dtype, the product accumulated in
-fp32), so the two agree to summation order. Inference only (no gradient), at most ``ROWS`` rows: more rows reuse
-each weight enough that cuBLAS's GEMM is the faster path.
+fp32), so the two agree to summation order. Inference only (no gradient), and only at a few rows: each program
+handles one row, so the weight is read once per row, and past ``MOE_ROWS`` / ``KDA_ROWS`` rows cuBLAS's GEMM
+after the elementwise kernels is the faster path (measured on an H200, ``small``: the MoE kernel 5.0 us at one row,
+13.2 us at eight, against ~6.5 us unfused; the KDA kernel 3.7 / 5.7 us against ~5.1 us; benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import torch
 from ._triton import triton_available
 
 __all__ = ["proj_decode_applies", "moe_output_decode", "kda_output_decode", "moe_output_width", "kda_output_width",
-           "ROWS", "TILE"]
+           "MOE_ROWS", "KDA_ROWS", "TILE"]
 
-ROWS = int(os.environ.get("K3_PROJ_DECODE_ROWS", "8"))
+MOE_ROWS = int(os.environ.get("K3_MOE_OUTPUT_DECODE_ROWS", "2"))
+KDA_ROWS = int(os.environ.get("K3_KDA_OUTPUT_DECODE_ROWS", "8"))
 
 
 TILE = 4096  # most weight elements one program holds (k3.ops._proj_decode_triton): a row's padded input width
@@ -45,10 +48,10 @@ def kda_output_width(heads: int, head_dim: int) -> int:
     return _pow2(heads) * _pow2(head_dim)
 
 
-def proj_decode_applies(x: torch.Tensor, rows: int, weight: torch.Tensor, width: int) -> bool:
-    """The fused kernel runs: CUDA, no gradient, at most ROWS rows, a plain contiguous weight whose padded input
-    ``width`` fits one program's tile, Triton importable."""
-    return (x.is_cuda and not torch.is_grad_enabled() and rows <= ROWS and width <= TILE and weight.is_contiguous()
+def proj_decode_applies(x: torch.Tensor, rows: int, max_rows: int, weight: torch.Tensor, width: int) -> bool:
+    """The fused kernel runs: CUDA, no gradient, at most ``max_rows`` rows, a plain contiguous weight whose padded
+    input ``width`` fits one program's tile, Triton importable."""
+    return (x.is_cuda and not torch.is_grad_enabled() and rows <= max_rows and width <= TILE and weight.is_contiguous()
             and weight.dtype in (torch.bfloat16, torch.float16, torch.float32) and triton_available())
 
 

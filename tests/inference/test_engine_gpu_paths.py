@@ -1,6 +1,7 @@
 """The engine with the code paths it takes on a GPU, on CPU tensors: our fused Triton KDA decode kernel (short
 convs, norms, gate and recurrence in one launch, tails and state updated in place), our Triton kernels for the MLA
-latent write and flash-decoding over the pages, all under Triton's interpreter
+latent write and flash-decoding over the pages, AttnRes's row kernel (the residual add inside the mix) and KDA's
+fused gated norm + o_proj (k3.ops.proj_decode), all under Triton's interpreter
 (``TRITON_INTERPRET=1``, set by tests/conftest.py without CUDA), with fused projections (the engine's default,
 whose outputs are column slices of one matmul). Teacher-forced decode logits of a batch of sequences at mixed
 context lengths equal the model's full forward over each whole sequence (fp32: relative RMS 1e-4), step by step.
@@ -52,6 +53,32 @@ def gpu_paths(monkeypatch):
 
     monkeypatch.setattr(mixers, "kda_decode", kda_decode)
     monkeypatch.setattr(mixers, "mla_decode_append", mla_decode_append)
+
+    # AttnRes's row kernel (with the residual add inside) and KDA's fused gated norm + o_proj, at a decode step's
+    # rows only (at most 4: the reference forwards below have more, so they stay on the plain path)
+    import k3.layers.depth.attn_res as depth
+    import k3.layers.sequence.kda as kda
+    import k3.ops.attn_res as attn_res
+    from k3.ops.proj_decode import TILE
+
+    def few_rows(sources):
+        return not torch.is_grad_enabled() and sources[0].numel() <= 4 * sources[0].shape[-1]
+
+    def proj_applies(x, rows, max_rows, weight, width):
+        calls["kda_out"] += rows <= 4
+        return not torch.is_grad_enabled() and rows <= min(4, max_rows) and width <= TILE
+
+    real_rows = attn_res._rows
+
+    def rows(*a):
+        calls["attn_res"] += 1
+        return real_rows(*a)
+
+    calls.update(attn_res=0, kda_out=0)
+    monkeypatch.setattr(depth, "kernel_applies", few_rows)
+    monkeypatch.setattr(attn_res, "kernel_applies", few_rows)
+    monkeypatch.setattr(attn_res, "_rows", rows)
+    monkeypatch.setattr(kda, "proj_decode_applies", proj_applies)
     return calls
 
 
@@ -75,7 +102,7 @@ def test_decode_on_the_gpu_paths_equals_the_full_forward(gpu_paths):
         for it in plan.prefill + plan.decode:
             if it.sample is not None:
                 eng.seqs[it.seq_id].tokens.append(7)
-    gpu_paths.update(kda=0, mla=0)
+    gpu_paths.update(kda=0, mla=0, attn_res=0, kda_out=0)
     for step in range(2):
         plan = eng.scheduler.schedule()
         assert len(plan.decode) == len(prompts) and not plan.prefill
@@ -88,4 +115,5 @@ def test_decode_on_the_gpu_paths_equals_the_full_forward(gpu_paths):
             eng.seqs[it.seq_id].tokens.append(t)
     n_kda = sum(1 for i in range(cfg.num_hidden_layers) if cfg.layer_kind(i) == "kda")
     assert gpu_paths["kda"] == 2 * n_kda and gpu_paths["mla"] == 2 * (cfg.num_hidden_layers - n_kda)
+    assert gpu_paths["kda_out"] == 2 * n_kda and gpu_paths["attn_res"] >= 2 * (2 * cfg.num_hidden_layers - 1)
     eng.stop()

@@ -104,6 +104,7 @@ def test_depth_stream_with_the_add_in_the_mix_equals_the_plain_stream(monkeypatc
     torch.manual_seed(0)
     cfg = K3Config.preset("tiny")
     model = K3ForCausalLM(cfg).to(DEV).eval()
+    model.set_kda_backend("torch")  # (on a GPU: no fla autotuning for a test of the depth stream)
     for n, p in model.named_parameters():  # AttnRes queries start at zero (uniform mixing): give them a direction
         if n.endswith("res_proj.weight"):
             p.data.normal_(0, 0.5)

@@ -17,7 +17,7 @@ from torch import nn
 from ...config import K3Config
 from ...ops import kda as kda_ops
 from ...ops.norms import gated_rms_norm, l2_norm
-from ...ops.proj_decode import kda_output_decode, kda_output_width, proj_decode_applies
+from ...ops.proj_decode import KDA_ROWS, kda_output_decode, kda_output_width, proj_decode_applies
 from ...ops.short_conv import short_conv
 from ..fuse import fuse_linears, use_fused
 from ..regions import region
@@ -123,7 +123,7 @@ class KimiDeltaAttention(nn.Module):
     def output(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """o [B,T,H,K] from the recurrence -> per-head RMSNorm gated by sigmoid(gate) -> o_proj -> [B,T,D]."""
         B, T, H, K = o.shape
-        if proj_decode_applies(o, B * T, self.o_proj.weight, kda_output_width(H, K)) and \
+        if proj_decode_applies(o, B * T, KDA_ROWS, self.o_proj.weight, kda_output_width(H, K)) and \
                 gate.dtype == self.o_proj.weight.dtype:
             # a decode step's few rows on CUDA: the gated norm and o_proj in one kernel (k3.ops.proj_decode)
             y = kda_output_decode(o.reshape(B * T, H, K), gate.reshape(B * T, H * K), self.o_norm.weight,

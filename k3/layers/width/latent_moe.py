@@ -18,7 +18,7 @@ from torch import nn
 from ...config import K3Config
 from ...ops.grouped_mm import grouped_mm
 from ...ops.moe_decode import decode_applies, expert_decode
-from ...ops.proj_decode import moe_output_decode, moe_output_width, proj_decode_applies
+from ...ops.proj_decode import MOE_ROWS, moe_output_decode, moe_output_width, proj_decode_applies
 from ...ops.mx import fake_quant_mxfp4, fake_quant_mxfp8
 from ...ops.routing import bincount, combine_rows, dispatch_rows, inverse_permutation
 from ...ops.situ import glu
@@ -143,7 +143,7 @@ class LatentMoE(nn.Module):
         if self.shared_experts is None or self.routed_expert_up_proj is None or not use_fused(self.out_proj):
             return None
         L, Is = self._in_sizes[0], self._in_sizes[-1]
-        if not proj_decode_applies(x, x.shape[0], self.out_proj, moe_output_width(L, Is)):
+        if not proj_decode_applies(x, x.shape[0], MOE_ROWS, self.out_proj, moe_output_width(L, Is)):
             return None
         decode_rows = getattr(self.experts, "decode_rows", None)  # a packed MXFP4 bank has its own decode path
         rows = decode_rows(z, weights, idx) if decode_rows is not None else None

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import cuda_time_ms, header  # noqa: E402
+from benchmarks.common import cuda_time_ms, graph_time_us, header  # noqa: E402
 from k3.ops import _attn_res_triton as kernels  # noqa: E402
 from k3.ops.attn_res import attn_res_mix_norm_reference, attn_res_mix_norm_triton  # noqa: E402
 
@@ -66,20 +66,6 @@ def train_rows(S, N, D, hbm):
     return out
 
 
-def graph_ms(fn, calls=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    return cuda_time_ms(g.replay, iters=20) / calls
-
-
 def decode_rows(S, B, D):
     sources, q, kn, nw = inputs(S, B, D)
     delta = torch.randn_like(sources[-1])
@@ -90,14 +76,14 @@ def decode_rows(S, B, D):
 
     ref = torch.compile(add_then_mix)
     with torch.no_grad():
-        comp = graph_ms(lambda: ref(sources, delta, q, kn, nw))
+        comp = graph_time_us(lambda: ref(sources, delta, q, kn, nw))
         kern = {}
         for w in (1, 2, 4):
-            kern[w] = graph_ms(lambda: kernels.rows(sources, delta, q, kn, nw, 1e-5, 1e-5, num_warps=w)) * 1e3
+            kern[w] = graph_time_us(lambda: kernels.rows(sources, delta, q, kn, nw, 1e-5, 1e-5, num_warps=w))
     best = min(kern, key=kern.get)
     print(f"  S={S} B={B} D={D}: row kernel " + ", ".join(f"{v:.1f} us ({w} warps)" for w, v in kern.items())
-          + f"; compiled add + reference {comp * 1e3:.1f} us ({comp * 1e3 / kern[best]:.2f}x the best)", flush=True)
-    return {"S": S, "B": B, "D": D, "row_kernel_us_by_warps": kern, "compiled_reference_us": comp * 1e3}
+          + f"; compiled add + reference {comp:.1f} us ({comp / kern[best]:.2f}x the best)", flush=True)
+    return {"S": S, "B": B, "D": D, "row_kernel_us_by_warps": kern, "compiled_reference_us": comp}
 
 
 def main():

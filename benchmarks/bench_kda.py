@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import cuda_time_ms, header, kda_inputs  # noqa: E402
+from benchmarks.common import cuda_time_ms, graph_time_us, header, kda_inputs  # noqa: E402
 from k3.ops.kda import chunk_kda  # noqa: E402
 
 
@@ -62,21 +62,6 @@ def bench_sdpa(B, T, H, D):
         F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
 
     return cuda_time_ms(fwd), cuda_time_ms(fwd_bwd)
-
-
-def graph_time_us(fn, calls: int = 20) -> float:
-    """GPU time of one fn() in us: a CUDA graph of ``calls`` calls, replayed (median of 10 replays)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    return cuda_time_ms(g.replay, warmup=2, iters=10) * 1e3 / calls
 
 
 def bench_decode(batches, H, K, RF=None, W=4):

@@ -65,6 +65,21 @@ def cuda_time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graph_time_us(fn, calls: int = 20) -> float:
+    """GPU time of one fn() in us: a CUDA graph of ``calls`` calls, replayed (median of 10 replays)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return cuda_time_ms(g.replay, warmup=2, iters=10) * 1e3 / calls
+
+
 def cpu_time_ms(fn, warmup: int = 1, iters: int = 3) -> float:
     """Median wall time of fn() in ms (CPU runs)."""
     for _ in range(warmup):

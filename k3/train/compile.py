@@ -61,9 +61,9 @@ def _unless_kernel(fn, compiled_fn):
     """An "attn_res" region (``fn(eps, proj_weight, key_norm_weight, norm, *sources)``) runs eagerly where it is one
     Triton kernel (``k3.ops.attn_res.uses_kernel``: CUDA, enough rows): compiling it then adds only dynamo's guards
     and a graph break around the kernel, on every call."""
-    from ..ops.attn_res import uses_kernel
+    from ..ops import attn_res
 
     def run(*args):
-        return fn(*args) if uses_kernel(list(args[4:])) else compiled_fn(*args)
+        return fn(*args) if attn_res.uses_kernel(list(args[4:])) else compiled_fn(*args)
 
     return run

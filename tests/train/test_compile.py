@@ -61,3 +61,20 @@ def test_compiled_regions_give_the_eager_loss_and_gradients():
         set_region_compiler(previous)
         torch.set_num_threads(threads)
     assert list(model.state_dict()) == names  # compiled in place: the official names are unchanged
+
+
+def test_attn_res_region_runs_eagerly_where_it_is_one_kernel(monkeypatch):
+    """The "attn_res" region's compiled form is bypassed where the mix is a Triton kernel (compiling it there would
+    add only guards and a graph break), and used elsewhere."""
+    import k3.ops.attn_res as ops
+    from k3.train.compile import _unless_kernel
+
+    ran = []
+    eager = lambda *a: ran.append("eager")  # noqa: E731
+    compiled = lambda *a: ran.append("compiled")  # noqa: E731
+    run = _unless_kernel(eager, compiled)
+    x = torch.zeros(2, 4)
+    for kernel in (True, False):
+        monkeypatch.setattr(ops, "uses_kernel", lambda sources, k=kernel: k)
+        run(1e-5, torch.zeros(1, 4), torch.ones(4), None, x, x)
+    assert ran == ["eager", "compiled"]

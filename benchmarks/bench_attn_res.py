@@ -1,7 +1,8 @@
 """AttnRes's mix + pre-norm kernels (SPEC §3, ``k3.ops.attn_res``) on one GPU, bf16, each against the compiled
 reference at the same shapes:
 - training (``--sections train``): the Triton forward and backward of ``attn_res_mix_norm_triton`` at a training
-  step's rows (8 x 4096 tokens), the backward's second kernel at several tile shapes (rows, D, warps), and the bytes
+  step's rows (8 x 4096 tokens), the backward's second kernel at several tile shapes (rows, D, warps), its first
+  kernel at several (rows, D), and the bytes
   the backward must move (every source read twice, dy read, every gradient written) against the device's bandwidth;
 - inference (``--sections rows``): the one-program-per-row kernel (``k3::attn_res_rows``, the add of the sub-layer
   before inside it) against ``torch.compile`` of the add + reference mix, at decode batch sizes, each timed as a
@@ -61,6 +62,13 @@ def train_rows(S, N, D, hbm):
         print(f"  S={S} N={N} D={D} backward with cols tile {c}: {ms:.3f} ms "
               f"({bwd_bytes / (ms * 1e-3) / 1e12:.2f} TB/s, {cols['x'.join(map(str, c))]['of_hbm']:.0%})", flush=True)
     out["backward_by_cols_tile"] = cols
+    rows = {}  # the first kernel (per-row logit gradients: reads every source twice and dy) at its tile shapes
+    for bn, bd in ((8, 256), (16, 256), (32, 128), (32, 64)):
+        ms = cuda_time_ms(lambda: kernels.backward(dy, flat, u, nw.detach(), stats, r2, block_n=bn, block_d=bd),
+                          iters=10)
+        rows[f"{bn}x{bd}"] = ms
+        print(f"  S={S} N={N} D={D} backward with rows tile ({bn}, {bd}): {ms:.3f} ms", flush=True)
+    out["backward_by_rows_tile"] = rows
     print(f"  S={S} N={N} D={D}: triton fwd {out['triton_fwd_ms']:.3f} ms, fwd+bwd {out['triton_fwd_bwd_ms']:.3f} ms; "
           f"compiled reference fwd+bwd {out['compiled_ref_fwd_bwd_ms']:.3f} ms", flush=True)
     return out

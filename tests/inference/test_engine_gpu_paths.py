@@ -65,8 +65,13 @@ def gpu_paths(monkeypatch):
         return not torch.is_grad_enabled() and sources[0].numel() <= 4 * sources[0].shape[-1]
 
     def proj_applies(x, rows, max_rows, weight, width):
-        calls["kda_out"] += rows <= 4
         return not torch.is_grad_enabled() and rows <= min(4, max_rows) and width <= TILE
+
+    real_kda_out = kda.kda_output_decode
+
+    def kda_out(*a):
+        calls["kda_out"] += 1
+        return real_kda_out(*a)
 
     real_rows = attn_res._rows
 
@@ -79,6 +84,7 @@ def gpu_paths(monkeypatch):
     monkeypatch.setattr(attn_res, "kernel_applies", few_rows)
     monkeypatch.setattr(attn_res, "_rows", rows)
     monkeypatch.setattr(kda, "proj_decode_applies", proj_applies)
+    monkeypatch.setattr(kda, "kda_output_decode", kda_out)
     return calls
 
 

@@ -47,16 +47,7 @@ class DepthStream:
         the sub-layer opens a new one."""
         if self.mode == "none":
             return self.partial if norm is None else norm(self.partial)
-        if self.pending is not None and self.blocks:  # the pending add, done by the mix
-            h, self.partial = self._add_and_mix(query, norm)
-            self.pending = None
-        else:
-            self._add_pending()
-            sources = self.blocks + ([self.partial] if self.partial is not None else [])
-            if len(sources) > 1:
-                h = self._mix(query, sources, norm)
-            else:
-                h = sources[0] if norm is None else norm(sources[0])
+        h = self._mix_sources(query, norm)
         if self.sublayer % self.block_size == 0 and self.partial is not None:
             self.blocks.append(self.partial)
             self.partial = None
@@ -77,11 +68,20 @@ class DepthStream:
         """The final mix (output pseudo-query) before the last norm."""
         if self.mode == "none":
             return self.partial
+        return self._mix_sources(query)
+
+    def _mix_sources(self, query: PseudoQuery, norm: nn.Module | None = None) -> torch.Tensor:
+        """The mix of blocks + [partial] (a pending write added first: inside the mix's kernel when there are
+        blocks to mix with), through ``norm`` when given; one source is itself."""
         if self.pending is not None and self.blocks:
-            return self._add_and_mix(query)[0]
+            h, self.partial = self._add_and_mix(query, norm)
+            self.pending = None
+            return h
         self._add_pending()
         sources = self.blocks + ([self.partial] if self.partial is not None else [])
-        return self._mix(query, sources)
+        if len(sources) > 1:
+            return self._mix(query, sources, norm)
+        return sources[0] if norm is None else norm(sources[0])
 
     def _add_pending(self) -> None:
         if self.pending is not None:

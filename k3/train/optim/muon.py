@@ -25,6 +25,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from ...ops.muon_step import apply_update, momentum_into
+
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 SPLIT_HELP = 'expected "whole", "rows:H", "cols:H" (H a positive int dividing that dim) or "experts"'
 
@@ -49,8 +51,10 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coeffs: tuple[float, float, f
     X = X / norm.clamp(min=eps).to(X.dtype)
     for _ in range(steps):
         gram = X @ X.mT
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G^2
-        X = torch.baddbmm(X, poly, X, beta=a)  # a X + (b G + c G^2) X
+        poly = gram * b
+        poly.diagonal(dim1=-2, dim2=-1).add_(a)
+        poly.baddbmm_(gram, gram, alpha=c)  # a I + b G + c G^2, in place: no copy of G for the GEMM's C
+        X = poly @ X  # a X + (b G + c G^2) X; as one product no copy of X either (baddbmm(X, ...) copies X first)
     if tall:
         X = X.mT
     return X.to(G.dtype).reshape(G.shape)
@@ -161,54 +165,46 @@ class Muon(Optimizer):
         return loss
 
     def _update(self, items: list, steps: int, eps: float, n_max: int) -> None:
-        """One bucket: blocks of one (wide) shape from any number of parameters. Momentum, Nesterov, decay and the
-        update run as foreach ops (a few kernels per bucket, not a few per parameter); Newton-Schulz as ONE batched
-        bmm chain over every block of the bucket. Each parameter's blocks are copied once, straight into the batch
-        in its dtype (bf16 on CUDA) and orientation; each update is read back from the batch as a view (a copy only
-        for "cols" blocks) and added to its weight in fp32. The Nesterov mix is written over the gradient (as in
-        Keller Jordan's Muon): ``p.grad`` holds lerp(g, buf, mu) after the step."""
+        """One bucket: blocks of one (wide) shape from any number of parameters, through Newton-Schulz as ONE
+        batched bmm chain. Each parameter's blocks are a strided view of its storage (``_blocks``): the momentum
+        and Nesterov mix are written straight into the batch (bf16 on CUDA), and each update is added to its weight
+        from the batch, one fused pass each (``k3.ops.muon_step``: Triton on CUDA, torch ops elsewhere). FSDP2
+        shards (DTensors) update their momentum shard by shard and orthogonalise the gathered whole matrix."""
         for p, _, _, _ in items:
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-        us = [None] * len(items)
-        for (mu, nesterov), idx in _by(items, lambda g: (g["momentum"], g["nesterov"])).items():
-            grads = [items[i][0].grad for i in idx]
-            bufs = [self.state[items[i][0]]["momentum_buffer"] for i in idx]
-            torch._foreach_lerp_(bufs, grads, 1 - mu)
-            if nesterov:
-                torch._foreach_lerp_(grads, bufs, mu)
-            for i, u in zip(idx, grads if nesterov else bufs):
-                us[i] = u
-        blocks = []
-        for (p, group, kind, H), u in zip(items, us):
-            u = to_blocks(u.full_tensor() if isinstance(u, DTensor) else u, kind, H)  # [N,A,B], whole matrices
-            blocks.append(u.mT if u.shape[-2] > u.shape[-1] else u)  # NS(X^T) = NS(X)^T: batch in one orientation
-        first = blocks[0]
-        X = torch.empty(sum(b.shape[0] for b in blocks), *first.shape[1:], device=first.device,
-                        dtype=torch.bfloat16 if first.is_cuda else torch.float32)
-        at = 0
-        for b in blocks:  # one copy kernel each: the dtype cast and the transpose in one pass
-            X[at: at + b.shape[0]].copy_(b)
-            at += b.shape[0]
-        O = newton_schulz(X, steps, eps=eps).split([b.shape[0] for b in blocks])
+        sizes = [_blocks(p, kind, H).shape[0] for p, _, kind, H in items]
+        p0, _, kind0, H0 = items[0]
+        R, C = _blocks(p0, kind0, H0).shape[1:]
+        device = p0.device
+        X = torch.empty(sum(sizes), R, C, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        for (p, group, kind, H), slot in zip(items, X.split(sizes)):
+            buf = self.state[p]["momentum_buffer"]
+            if isinstance(p.grad, DTensor):
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                u = torch.lerp(p.grad, buf, group["momentum"]) if group["nesterov"] else buf
+                slot.copy_(_blocks(u.full_tensor(), kind, H))
+            else:
+                momentum_into(_blocks(p.grad, kind, H), _blocks(buf, kind, H), slot, group["momentum"],
+                              group["nesterov"])
+        O = newton_schulz(X, steps, eps=eps)
         scale = 0.2 * math.sqrt(n_max)
-        updates = []
-        for (p, group, kind, H), o in zip(items, O):
-            A, _ = block_shape(p.shape, kind, H)
-            o = o.mT if o.shape[-2] != A else o
-            updates.append(_like(p, from_blocks(o, kind, p.shape)))
-        for (lr, wd), idx in _by(items, lambda g: (g["lr"], g["weight_decay"])).items():
-            params = [items[i][0] for i in idx]
-            torch._foreach_mul_(params, 1 - lr * wd)
-            torch._foreach_add_(params, [updates[i] for i in idx], alpha=-lr * scale)  # bf16 updates into fp32
+        for (p, group, kind, H), slot in zip(items, O.split(sizes)):
+            decay, alpha = 1 - group["lr"] * group["weight_decay"], -group["lr"] * scale
+            if isinstance(p, DTensor):
+                A, B = block_shape(p.shape, kind, H)
+                full = from_blocks(slot.mT if A > B else slot, kind, p.shape).to(p.dtype)
+                p.mul_(decay).add_(_like(p, full), alpha=alpha)
+            else:
+                apply_update(_blocks(p, kind, H), slot, decay, alpha)
 
 
-def _by(items: list, key) -> dict:
-    """Indices of ``items`` grouped by ``key(param group)``, in order."""
-    out: dict = {}
-    for i, (_, group, _, _) in enumerate(items):
-        out.setdefault(key(group), []).append(i)
-    return out
+def _blocks(t: torch.Tensor, kind: str, H: int) -> torch.Tensor:
+    """The blocks to orthogonalise as a strided view [N, R, C] of ``t``'s storage, in the wide orientation
+    (R <= C; NS(X^T) = NS(X)^T, so a bucket's blocks share one orientation). Of a DTensor, a view of its global
+    shape on the meta device (the layout only: its data is gathered where needed)."""
+    v = to_blocks(torch.empty(t.shape, device="meta") if isinstance(t, DTensor) else t, kind, H)
+    return v.mT if v.shape[-2] > v.shape[-1] else v
 
 
 def _like(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:

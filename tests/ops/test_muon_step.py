@@ -1,0 +1,131 @@
+"""Muon's fused elementwise passes (k3.ops.muon_step) against their torch-op reference, on every block layout
+Muon uses (whole, per-head rows and columns, experts, tall blocks seen transposed); then whole Muon steps: through
+the kernels == through the reference, and == the update rule written out (buf, Nesterov, Newton-Schulz, decay).
+Triton's interpreter on CPU (tests/conftest.py) in fp32, compiled on a GPU."""
+
+import copy
+import importlib.util
+import math
+
+import pytest
+import torch
+
+import k3.ops.muon_step as ms
+from k3 import K3Config, K3ForCausalLM
+from k3.train.optim import build_optimizer, newton_schulz
+from k3.train.optim.muon import Muon, _blocks
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# (weight shape, split kind, H): the block views are contiguous, strided (columns per head) or transposed (tall)
+LAYOUTS = [((40, 24), "whole", 1), ((48, 20), "rows", 4), ((24, 36), "cols", 3), ((4, 40, 8), "experts", 4),
+           ((4, 8, 40), "experts", 4), ((70, 130), "whole", 1)]
+
+
+def _tol():
+    return dict(atol=1e-6, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("shape,kind,H", LAYOUTS)
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_momentum_kernel_is_the_two_lerps_and_the_cast_into_the_slot(shape, kind, H, nesterov):
+    from k3.ops._muon_triton import momentum
+
+    g0, b0 = torch.randn(shape, device=DEV), torch.randn(shape, device=DEV)
+    view = _blocks(g0, kind, H)
+    slot_ref, slot = torch.empty(view.shape, device=DEV), torch.empty(view.shape, device=DEV)
+    g1, b1, b2 = g0.clone(), b0.clone(), b0.clone()
+    b1.lerp_(g1, 0.05)
+    u = torch.lerp(g1, b1, 0.95) if nesterov else b1
+    slot_ref.copy_(_blocks(u, kind, H))
+    momentum(_blocks(g0, kind, H), _blocks(b2, kind, H), slot, 0.95, nesterov)
+    torch.testing.assert_close(b2, b1, **_tol())
+    torch.testing.assert_close(slot, slot_ref, **_tol())
+    torch.testing.assert_close(g0, g1, atol=0, rtol=0)  # the gradient is read, not written
+
+
+@needs_triton
+@pytest.mark.parametrize("shape,kind,H", LAYOUTS)
+def test_update_kernel_adds_the_slot_into_the_weight_through_its_view(shape, kind, H):
+    from k3.ops._muon_triton import update
+
+    p0 = torch.randn(shape, device=DEV)
+    slot = torch.randn(_blocks(p0, kind, H).shape, device=DEV)
+    ref, out = p0.clone(), p0.clone()
+    _blocks(ref, kind, H).mul_(0.99).add_(slot, alpha=-0.3)
+    update(_blocks(out, kind, H), slot, 0.99, -0.3)
+    torch.testing.assert_close(out, ref, **_tol())
+
+
+def test_views_of_another_layout_or_a_strided_slot_are_refused():
+    g = torch.randn(3, 8, 16)
+    with pytest.raises(ValueError, match="one layout"):
+        ms.momentum_into(g, torch.randn(3, 16, 8).mT, torch.empty(3, 8, 16), 0.9, True)
+    with pytest.raises(ValueError, match="contiguous"):
+        ms.apply_update(g, torch.empty(3, 16, 8).mT, 1.0, 1.0)
+
+
+TINY = K3Config.preset("tiny")
+
+
+def _two_steps(model, grads, monkeypatch=None, fused=False):
+    if fused:
+        monkeypatch.setattr(ms, "fused_applies", lambda t: True)  # the kernels, here in Triton's interpreter
+    opt = build_optimizer(model, lr=1e-2)
+    for gs in grads:
+        for n, p in model.named_parameters():
+            p.grad = gs[n].clone()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@needs_triton
+def test_a_muon_step_through_the_kernels_equals_the_reference(monkeypatch):
+    torch.manual_seed(0)
+    model = K3ForCausalLM(TINY)
+    grads = [{n: torch.randn_like(p) for n, p in model.named_parameters()} for _ in range(2)]
+    ref = _two_steps(copy.deepcopy(model), grads)
+    out = _two_steps(copy.deepcopy(model), grads, monkeypatch, fused=True)
+    for n in ref:
+        torch.testing.assert_close(out[n], ref[n], **_tol(), msg=n)
+
+
+@pytest.mark.parametrize("shape,split", [((40, 24), "whole"), ((48, 20), "rows:4"), ((24, 36), "cols:3"),
+                                         ((4, 40, 8), "experts")])
+def test_two_muon_steps_are_the_update_rule_written_out(shape, split):
+    """buf <- lerp(buf, g, 1 - mu); u <- lerp(g, buf, mu); p <- p (1 - lr wd) - lr 0.2 sqrt(max(A, B)) NS(u), each
+    head or expert its own block."""
+    torch.manual_seed(1)
+    w = torch.nn.Parameter(torch.randn(shape))
+    p, buf = w.detach().clone(), torch.zeros(shape)
+    opt = Muon([{"params": [w], "split": split}], lr=1e-2, weight_decay=0.1)
+    kind, _, heads = split.partition(":")
+    H = int(heads) if heads else (shape[0] if kind == "experts" else 1)
+    for _ in range(2):
+        g = torch.randn(shape)
+        w.grad = g.clone()
+        opt.step()
+        buf = torch.lerp(buf, g, 0.05)
+        u = torch.lerp(g, buf, 0.95)
+        blocks = [b for b in _split(u, kind, H)]
+        A, B = blocks[0].shape
+        o = [newton_schulz(b) for b in blocks]
+        p = p * (1 - 1e-2 * 0.1) - 1e-2 * 0.2 * math.sqrt(max(A, B)) * _join(o, kind, shape)
+        torch.testing.assert_close(w.detach(), p, atol=1e-6, rtol=1e-5)
+
+
+def _split(u, kind, H):
+    if kind == "rows":
+        return list(u.chunk(H, 0))
+    if kind == "cols":
+        return list(u.chunk(H, 1))
+    return list(u) if kind == "experts" else [u]
+
+
+def _join(o, kind, shape):
+    if kind == "rows":
+        return torch.cat(o, 0)
+    if kind == "cols":
+        return torch.cat(o, 1)
+    return torch.stack(o) if kind == "experts" else o[0]

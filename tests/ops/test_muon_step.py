@@ -69,9 +69,14 @@ def test_views_of_another_layout_or_a_strided_slot_are_refused():
 TINY = K3Config.preset("tiny")
 
 
-def _two_steps(model, grads, monkeypatch=None, fused=False):
-    if fused:
-        monkeypatch.setattr(ms, "fused_applies", lambda t: True)  # the kernels, here in Triton's interpreter
+def _two_steps(model, grads, monkeypatch, fused):
+    """Two steps with every Muon parameter through the fused kernels (``fused``; on CPU in Triton's interpreter)
+    or through the foreach path."""
+    import k3.train.optim.muon as muon
+
+    monkeypatch.setattr(muon, "FUSED_MIN_NUMEL", 0)
+    monkeypatch.setattr(muon, "fused_applies", lambda t: fused)
+    monkeypatch.setattr(ms, "fused_applies", lambda t: fused)
     opt = build_optimizer(model, lr=1e-2)
     for gs in grads:
         for n, p in model.named_parameters():
@@ -81,14 +86,17 @@ def _two_steps(model, grads, monkeypatch=None, fused=False):
 
 
 @needs_triton
-def test_a_muon_step_through_the_kernels_equals_the_reference(monkeypatch):
+def test_a_muon_step_through_the_kernels_equals_the_foreach_path(monkeypatch):
+    """fp32 on CPU: equal to rounding; on CUDA both fill a bf16 batch, so one bf16 rounding of the direction may
+    differ (atol ~ lr 0.2 sqrt(n) 2^-8)."""
     torch.manual_seed(0)
-    model = K3ForCausalLM(TINY)
+    model = K3ForCausalLM(TINY).to(DEV)
     grads = [{n: torch.randn_like(p) for n, p in model.named_parameters()} for _ in range(2)]
-    ref = _two_steps(copy.deepcopy(model), grads)
+    ref = _two_steps(copy.deepcopy(model), grads, monkeypatch, fused=False)
     out = _two_steps(copy.deepcopy(model), grads, monkeypatch, fused=True)
+    tol = _tol() if DEV == "cpu" else dict(atol=5e-4, rtol=1e-3)
     for n in ref:
-        torch.testing.assert_close(out[n], ref[n], **_tol(), msg=n)
+        torch.testing.assert_close(out[n], ref[n], **tol, msg=n)
 
 
 @pytest.mark.parametrize("shape,split", [((40, 24), "whole"), ((48, 20), "rows:4"), ((24, 36), "cols:3"),

@@ -3,7 +3,7 @@
 # cannot eat the others. Results land in $OUT, packed at the end into $OUT/gpu_session.tgz (JSON + logs) and
 # $OUT/autotune.tgz (fla's Triton autotuning results: extract into .tcache/ and carry it next time to skip it).
 #   usage (device tool, carrying .whl with fla-core, and .tcache if you have one): bash benchmarks/gpu_session.sh [steps...]
-#   one GPU:  tests serve decode train trainc profile memory cp kda kdadec attnres packed quant qdecode post
+#   one GPU:  tests serve decode train trainc profile memory cp kda kdadec attnres muon packed quant qdecode post
 #             (default: tests serve train cp)
 #   2+ GPUs:  nccl flacp kcp scale             (the distributed suite over NCCL, fla CP vs KCP, multi-GPU throughput)
 #   T_TESTS=300 etc. (T_<STEP>, upper case) override a step's limit in seconds.
@@ -71,6 +71,8 @@ for s in $steps; do
     kdadec) timeout ${T_KDADEC:-120} python3 benchmarks/bench_kda.py --decode --json "$L/bench_kda_decode.json" 2>&1 | tee "$L/bench_kda_decode.log" ;;
     # AttnRes's kernels: the training forward/backward (the backward's column-kernel tiles), the inference row kernel
     attnres) timeout ${T_ATTNRES:-240} python3 benchmarks/bench_attn_res.py --json "$L/bench_attn_res.json" 2>&1 | tee "$L/bench_attn_res.log" ;;
+    # the optimiser step of small and medium: Muon's fused passes against the foreach path (their GPU test first)
+    muon)   timeout ${T_MUON:-150} bash -c "python3 -m pytest -q -p no:cacheprovider -W ignore tests/ops/test_muon_step.py; python3 benchmarks/bench_muon.py --json $L/bench_muon.json" 2>&1 | tee "$L/bench_muon.log" ;;
     kda)    timeout ${T_KDA:-420} python3 benchmarks/bench_kda.py --json "$L/bench_kda.json" 2>&1 | tee "$L/bench_kda.log" ;;
     # the suite checks the distributed logic with the reference KDA kernels (no fla autotuning in every spawned
     # process: that alone outlasted the step's limit); fla's kernels under CP are the flacp step's
@@ -78,7 +80,7 @@ for s in $steps; do
     flacp)  timeout ${T_FLACP:-420} python3 -m pytest -q -s -p no:cacheprovider -W ignore tests/gpu/test_fla_cp.py 2>&1 | tee "$L/fla_cp_test.log" ;;
     kcp)    for r in 1 $NGPU; do timeout ${T_KCP:-300} $TR $r benchmarks/bench_kcp.py --json "$L/bench_kcp_r$r.json" 2>&1 | tee "$L/bench_kcp_r$r.log"; done ;;
     scale)  timeout ${T_SCALE:-540} python3 benchmarks/bench_scale.py --gpus $NGPU --json "$L/bench_scale.json" 2>&1 | tee "$L/bench_scale.log" ;;
-    *) echo "unknown step $s (tests serve decode train trainc profile memory cp kda kdadec attnres packed quant qdecode post nccl flacp kcp scale)"; exit 2 ;;
+    *) echo "unknown step $s (tests serve decode train trainc profile memory cp kda kdadec attnres muon packed quant qdecode post nccl flacp kcp scale)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/gpu_session.tgz" -C "$OUT" logs && rm -rf "$L"

@@ -125,13 +125,14 @@ class ContextParallel:
             return self._attend_kda(layer.self_attn, x)
         return self._attend_mla(layer.self_attn, x)
 
-    def _conv(self, x, conv):
-        return kcp_short_conv(x, conv.weight, self.group, self.cu_local, self.continues)
+    def _conv(self, x, taps):
+        return kcp_short_conv(x, taps, self.group, self.cu_local, self.continues)
 
     def _attend_kda(self, attn, x):
-        """The KDA layer's own pieces around the halo'd convs and the KCP recurrence."""
-        q, k, v, f, b, gate = attn.projections(x)
-        q, k, v = self._conv(q, attn.q_conv1d), self._conv(k, attn.k_conv1d), self._conv(v, attn.v_conv1d)
+        """The KDA layer's own pieces around the halo'd convs (q, k, v stacked: one halo exchange) and the KCP
+        recurrence."""
+        _, _, _, f, b, gate = attn.projections(x, qkv=False)
+        q, k, v = attn.conv_qkv(x, conv=self._conv)
         q, k, v, g, beta = attn.activations(q, k, v, f, b)
         o, _ = kcp_chunk_kda(q, k, v, g, beta, self.group, cu_seqlens=self.cu_local,
                              first_doc_continues=self.continues, backend=attn.backend,

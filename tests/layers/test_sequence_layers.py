@@ -32,6 +32,36 @@ def test_kda_packed_documents_are_independent():
     torch.testing.assert_close(packed[:, 9:], layer(b)[0], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_kda_stacked_qkv_equals_three_projections_and_convs(packed, monkeypatch):
+    """Without a decode state the layer projects q, k, v as one matmul and convolves them as one depthwise conv over
+    the stacked channels (``conv_qkv``): the output and every gradient equal the per-projection path's (the
+    stateful one), and the short conv runs once instead of three times."""
+    import k3.layers.sequence.kda as kda_layer
+
+    cfg = K3Config.preset("tiny")
+    layer = KimiDeltaAttention(cfg)
+    x = torch.randn(1 if packed else 2, 23, cfg.hidden_size, requires_grad=True)
+    cu = torch.tensor([0, 9, 23]) if packed else None
+    calls = []
+    real = kda_layer.short_conv
+    monkeypatch.setattr(kda_layer, "short_conv", lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k))
+    outs, HK = [], cfg.kda_num_heads * cfg.kda_head_dim
+    for want in (False, True):  # stacked; per projection (output_state asks for each conv's tail)
+        calls.clear()
+        layer.zero_grad()
+        x.grad = None
+        y, _ = layer(x, cu_seqlens=cu, output_state=want)
+        (y * torch.randn_like(y, generator=torch.Generator().manual_seed(0))).sum().backward()
+        outs.append((y.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in layer.named_parameters()}))
+        assert calls == ([HK] * 3 if want else [3 * HK])  # the conv's channels per call
+    (y0, dx0, g0), (y1, dx1, g1) = outs
+    torch.testing.assert_close(y0, y1, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(dx0, dx1, atol=1e-6, rtol=1e-5)
+    for n in g1:
+        torch.testing.assert_close(g0[n], g1[n], atol=1e-6, rtol=1e-5, msg=n)
+
+
 @pytest.mark.parametrize("preset", ["tiny", "kimi-k2-like"])
 def test_mla_absorbed_equals_naive(preset):
     cfg = K3Config.preset("tiny")

@@ -92,16 +92,17 @@ class KimiDeltaAttention(nn.Module):
     # The token mixer in three pieces, so that inference (paged, in-place state) and context parallelism
     # (halo'd convs, KCP) supply only the short convs and the recurrence: projections -> [convs] ->
     # activations -> [kernel] -> output.
-    def projections(self, x: torch.Tensor, project_f: bool = True):
+    def projections(self, x: torch.Tensor, project_f: bool = True, qkv: bool = True):
         """x [B,T,D] -> q, k, v before their short convs [B,T,H*K] each, the gate's raw input f [B,T,H,K]
         (before A_log and dt_bias), the raw beta logits b [B,T,H] and the output gate's logits [B,T,H*K].
         ``project_f=False``: f is the gate's low-rank input f_a [B,T,K] instead (the decode kernel applies
-        ``f_b_proj`` itself)."""
+        ``f_b_proj`` itself). ``qkv=False``: q, k, v are None (``conv_qkv`` makes them)."""
         B, T, _ = x.shape
         if use_fused(self.in_proj):  # inference: one matmul for every projection of x
             q, k, v, fa, b, g = F.linear(x, self.in_proj).split(self._in_sizes, dim=-1)
         else:
-            q, k, v, fa, b = self.q_proj(x), self.k_proj(x), self.v_proj(x), self.f_a_proj(x), self.b_proj(x)
+            q, k, v = (self.q_proj(x), self.k_proj(x), self.v_proj(x)) if qkv else (None, None, None)
+            fa, b = self.f_a_proj(x), self.b_proj(x)
             g = self.g_proj(x) if hasattr(self, "g_proj") else self.g_a_proj(x)
         if not hasattr(self, "g_proj"):  # Kimi Linear's low-rank output gate
             g = self.g_b_proj(g)
@@ -132,14 +133,30 @@ class KimiDeltaAttention(nn.Module):
         o = self.o_norm(o, gate.view(B, T, H, K))
         return self.o_proj(o.reshape(B, T, H * K).to(gate.dtype))
 
+    def conv_qkv(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, conv=None):
+        """q, k, v after their short convs, stateless (training, a plain forward): the three projections as one
+        matmul over their stacked weights and the three depthwise convs as one over the stacked channels (the
+        same per-channel arithmetic; one launch each instead of three, forward and backward) -> q, k, v
+        [B,T,H*K], views of one [B,T,3*H*K] tensor. ``conv(y, taps) -> y`` replaces the short conv (context
+        parallelism's halo'd conv)."""
+        w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        taps = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
+        y = F.linear(x, w)
+        y = conv(y, taps) if conv is not None else short_conv(y, taps, None, cu_seqlens, False, backend=self.backend)[0]
+        return y.split(self.q_proj.out_features, dim=-1)
+
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, state: KDAState | None = None,
                 output_state: bool = False) -> tuple[torch.Tensor, KDAState | None]:
         T = x.shape[1]
         want = output_state or state is not None
-        q, k, v, f, b, gate = self.projections(x)
-        q, cq = self.q_conv1d(q, state and state.conv_q, cu_seqlens, want, self.backend)
-        k, ck = self.k_conv1d(k, state and state.conv_k, cu_seqlens, want, self.backend)
-        v, cv = self.v_conv1d(v, state and state.conv_v, cu_seqlens, want, self.backend)
+        if want or use_fused(self.in_proj):  # a decode state in and out: each conv keeps its own tail
+            q, k, v, f, b, gate = self.projections(x)
+            q, cq = self.q_conv1d(q, state and state.conv_q, cu_seqlens, want, self.backend)
+            k, ck = self.k_conv1d(k, state and state.conv_k, cu_seqlens, want, self.backend)
+            v, cv = self.v_conv1d(v, state and state.conv_v, cu_seqlens, want, self.backend)
+        else:
+            _, _, _, f, b, gate = self.projections(x, qkv=False)
+            q, k, v = self.conv_qkv(x, cu_seqlens)
         q, k, v, g, beta = self.activations(q, k, v, f, b)
         h0 = state.recurrent if state is not None else None
         if T == 1 and cu_seqlens is None:  # one token: the recurrence itself on a fixed-size state

@@ -110,6 +110,7 @@ def main():
     p.add_argument("--difficulty", default="arithmetic=3,sorting=6", help="TASK=D,...: each task's difficulty")
     p.add_argument("--arith-ops", default="+-", help="arithmetic's operations (of + - *)")
     p.add_argument("--sorting-lengths", default="uniform", help="sorting's list lengths: uniform or long-tail")
+    p.add_argument("--sorting-trace", default="selection", help="sorting's max-effort reasoning: selection or counting")
     p.add_argument("--sft-problems", type=int, default=1000, help="per task and effort")
     p.add_argument("--sft-steps", type=int, default=800)
     p.add_argument("--sft-init", default=None, help="fine-tune this checkpoint (and keep its tokenizer) instead of "
@@ -139,7 +140,7 @@ def main():
     difficulty = {k: int(v) for k, v in (kv.split("=") for kv in args.difficulty.split(",") if kv)}
     tasks = {n: dataclasses.replace(get_task(n), **({"difficulty": difficulty[n]} if n in difficulty else {}),
                                     **({"ops": tuple(args.arith_ops)} if n == "arithmetic" else {}),
-                                    **({"lengths": args.sorting_lengths} if n == "sorting" else {}))
+                                    **({"lengths": args.sorting_lengths, "trace": args.sorting_trace} if n == "sorting" else {}))
              for n in args.tasks.split(",")}
     results = out / "results.json"
     res = json.loads(results.read_text()) if results.exists() else {}

@@ -194,6 +194,24 @@ def test_sorting_long_tail_lengths():
         Sorting(lengths="zipf")
 
 
+def test_sorting_counting_trace_lists_each_value_and_its_occurrences():
+    """trace="counting": every value 0..max_value in order, each followed by its occurrences or "-"; the
+    occurrences in order are the answer, and the trace's length does not grow with the square of the list's."""
+    task = Sorting(difficulty=6, trace="counting")
+    rng = random.Random(3)
+    for _ in range(50):
+        p = task.sample(rng)
+        words = task.reference_reasoning(p, "max").split()
+        assert words.count(":") == task.max_value + 1
+        occ = [int(w) for w, nxt in zip(words, words[1:] + [""]) if w not in (":", "-") and nxt != ":"]
+        assert occ == sorted(p.meta["xs"]) and " ".join(map(str, occ)) == p.answer
+        assert task.reference_reasoning(p, "low") == "" and task.reference_reasoning(p, "high").startswith("n = ")
+    p = Problem("sorting", "Sort: 3 0 3", "0 3 3", {"xs": [3, 0, 3]})
+    assert Sorting(max_value=3, trace="counting").reference_reasoning(p, "max") == "0 : 0 1 : - 2 : - 3 : 3 3"
+    with pytest.raises(ValueError, match="trace must be one of"):
+        Sorting(trace="bubble")
+
+
 # ------------------------------------------------------------------------------------------------- the sandbox
 
 def test_sandbox_runs_correct_code():

@@ -7,9 +7,11 @@ have 14-16, so the max-effort traces, whose length grows with n squared, run fro
 lengths of a batch have the long tail that partial rollout is for). The check compares the integers of the final
 answer (spaces or commas between them).
 
-Reasoning at "max": selection sort, one line per step ("take 1 from 5 3 9 1 3": the smallest of what is left, found
-by comparing each), so its length grows with the square of the length; at "high" the length and the extremes; at
-"low" none.
+Reasoning at "max", by ``trace``: "selection" (selection sort, one line per step, "take 1 from 5 3 9 1 3": the
+smallest of what is left, found by comparing each; its length grows with the square of the length) or "counting"
+(counting sort: every value from 0 to ``max_value`` in order, each followed by its occurrences in the list or "-",
+"0 : - 1 : 1 2 : - 3 : 3 3 ...": each step a count of one value, found by matching it in the prompt; the answer is
+the occurrences in order); at "high" the length and the extremes; at "low" none.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from .base import Problem, Task, check_difficulty, check_effort, spaced
 
 LENGTHS = ("uniform", "long-tail")
+TRACES = ("selection", "counting")
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class Sorting(Task):
     difficulty: int = 6
     max_value: int = 9
     lengths: str = "uniform"  # "uniform" | "long-tail": how a list's length is drawn (the module docstring)
+    trace: str = "selection"  # "selection" | "counting": max effort's reasoning (the module docstring)
     name = "sorting"
 
     def __post_init__(self):
@@ -35,6 +39,8 @@ class Sorting(Task):
             raise ValueError(f"sorting: max_value must be an integer >= 1; got {self.max_value!r}")
         if self.lengths not in LENGTHS:
             raise ValueError(f"sorting: lengths must be one of {LENGTHS}; got {self.lengths!r}")
+        if self.trace not in TRACES:
+            raise ValueError(f"sorting: trace must be one of {TRACES}; got {self.trace!r}")
 
     def sample(self, rng: random.Random) -> Problem:
         sizes = range(2, self.difficulty + 1)
@@ -49,6 +55,8 @@ class Sorting(Task):
             return ""
         if effort == "high":
             return f"n = {len(xs)} , min = {min(xs)} , max = {max(xs)}"
+        if self.trace == "counting":
+            return spaced(f"{v} : {spaced([v] * xs.count(v)) if v in xs else '-'}" for v in range(self.max_value + 1))
         rest, lines = list(xs), []
         while len(rest) > 1:
             m = min(rest)

@@ -1,58 +1,95 @@
 """Triton kernels of ``k3.ops.muon_step`` (imported only when Triton is there). See that module for the math.
 
-Legend: a parameter's blocks seen as a strided view [N, R, C] of its storage (strides s0, s1, s2: a head block, an
-expert, the transpose of a tall block); the batch slot [N, R, C] contiguous. Grid (row tiles, column tiles, N):
-each program moves one [BR x BC] tile between the strided view and the slot.
+Legend: P tensors of one bucket; each a strided view [N, R, C] of its storage (strides s0, s1, s2: a head block, an
+expert, the transpose of a tall block) with a contiguous slot [N, R, C] in the Newton-Schulz batch. ONE launch for
+the whole bucket: grid = every [BR x BC] tile of every tensor; a program finds its tensor by binary search over the
+tensors' first tiles (TS), reads the tensor's addresses, shape and strides from a table (TAB, int64 [P, 8]) and its
+scalars from another (FTAB, fp32 [P, 2]).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _offsets(R, C, s0, s1, s2, BR: tl.constexpr, BC: tl.constexpr):
-    n = tl.program_id(2).to(tl.int64)
-    i = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)[:, None]
-    j = (tl.program_id(1) * BC + tl.arange(0, BC)).to(tl.int64)[None, :]
-    return n * s0 + i * s1 + j * s2, (n * R + i) * C + j, (i < R) & (j < C)
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
-def _momentum_kernel(G, BUF, OUT, R, C, s0, s1, s2, mu, NESTEROV: tl.constexpr, BR: tl.constexpr,
-                     BC: tl.constexpr):
-    src, dst, m = _offsets(R, C, s0, s1, s2, BR, BC)
+def _tile(TAB, TS, P, BR: tl.constexpr, BC: tl.constexpr, LOG_P: tl.constexpr):
+    """-> (tensor index, its table row, element offsets in the strided view, offsets in the slot, mask)."""
+    pid = tl.program_id(0).to(tl.int64)
+    lo = pid * 0
+    hi = lo + P
+    for _ in tl.static_range(LOG_P):  # TS[lo] <= pid < TS[hi]
+        mid = (lo + hi) // 2
+        go = tl.load(TS + mid) <= pid
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    row = TAB + lo * 8
+    R, C = tl.load(row + 3), tl.load(row + 4)
+    s0, s1, s2 = tl.load(row + 5), tl.load(row + 6), tl.load(row + 7)
+    tr, tc = tl.cdiv(R, BR), tl.cdiv(C, BC)
+    t = pid - tl.load(TS + lo)
+    n, rem = t // (tr * tc), t % (tr * tc)
+    i = ((rem // tc) * BR + tl.arange(0, BR))[:, None]
+    j = ((rem % tc) * BC + tl.arange(0, BC))[None, :]
+    return lo, row, n * s0 + i * s1 + j * s2, (n * R + i) * C + j, (i < R) & (j < C)
+
+
+@triton.jit
+def _momentum_kernel(TAB, FTAB, TS, P, T_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr, BR: tl.constexpr,
+                     BC: tl.constexpr, LOG_P: tl.constexpr):
+    k, row, src, dst, m = _tile(TAB, TS, P, BR, BC, LOG_P)
+    G = tl.load(row).to(tl.pointer_type(T_DTYPE))
+    BUF = tl.load(row + 1).to(tl.pointer_type(T_DTYPE))
+    OUT = tl.load(row + 2).to(tl.pointer_type(S_DTYPE))
+    mu, nesterov = tl.load(FTAB + k * 2), tl.load(FTAB + k * 2 + 1)
     g = tl.load(G + src, mask=m, other=0.0).to(tl.float32)
     b = tl.load(BUF + src, mask=m, other=0.0).to(tl.float32)
     b = b + (1.0 - mu) * (g - b)  # lerp(buf, g, 1 - mu), torch's form for a weight below 1/2
-    tl.store(BUF + src, b.to(BUF.dtype.element_ty), mask=m)
-    if NESTEROV:
-        u = b - (b - g) * (1.0 - mu)  # lerp(g, buf, mu), torch's form for a weight of 1/2 or more
-    else:
-        u = b
-    tl.store(OUT + dst, u.to(OUT.dtype.element_ty), mask=m)
+    tl.store(BUF + src, b.to(T_DTYPE), mask=m)
+    u = tl.where(nesterov != 0.0, b - (b - g) * (1.0 - mu), b)  # lerp(g, buf, mu): torch's form for weights >= 1/2
+    tl.store(OUT + dst, u.to(S_DTYPE), mask=m)
 
 
 @triton.jit
-def _update_kernel(P, O, R, C, s0, s1, s2, decay, alpha, BR: tl.constexpr, BC: tl.constexpr):
-    dst_p, src_o, m = _offsets(R, C, s0, s1, s2, BR, BC)
-    p = tl.load(P + dst_p, mask=m, other=0.0).to(tl.float32)
+def _update_kernel(TAB, FTAB, TS, P, T_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr, BR: tl.constexpr,
+                   BC: tl.constexpr, LOG_P: tl.constexpr):
+    k, row, dst_p, src_o, m = _tile(TAB, TS, P, BR, BC, LOG_P)
+    W = tl.load(row).to(tl.pointer_type(T_DTYPE))
+    O = tl.load(row + 2).to(tl.pointer_type(S_DTYPE))
+    decay, alpha = tl.load(FTAB + k * 2), tl.load(FTAB + k * 2 + 1)
+    p = tl.load(W + dst_p, mask=m, other=0.0).to(tl.float32)
     o = tl.load(O + src_o, mask=m, other=0.0).to(tl.float32)
-    tl.store(P + dst_p, (p * decay + alpha * o).to(P.dtype.element_ty), mask=m)
+    tl.store(W + dst_p, (p * decay + alpha * o).to(T_DTYPE), mask=m)
 
 
-def _grid(view, BR, BC):
-    N, R, C = view.shape
-    return (triton.cdiv(R, BR), triton.cdiv(C, BC), N)
+def _launch(kernel, a: list, b: list | None, slots: list, scalars: list[tuple[float, float]], BR: int = 64,
+            BC: int = 64) -> None:
+    rows, starts = [], [0]
+    for i, (x, s) in enumerate(zip(a, slots)):
+        N, R, C = x.shape
+        rows.append([x.data_ptr(), b[i].data_ptr() if b is not None else 0, s.data_ptr(), R, C, *x.stride()])
+        starts.append(starts[-1] + N * triton.cdiv(R, BR) * triton.cdiv(C, BC))
+    if starts[-1] == 0:
+        return
+    dev = a[0].device
+
+    def table(values, dtype):  # pinned, then copied without waiting for the device (CPU: the interpreter's)
+        t = torch.tensor(values, dtype=dtype)
+        return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+
+    tab, ts, ftab = table(rows, torch.int64), table(starts, torch.int64), table(scalars, torch.float32)
+    P = len(a)
+    kernel[(starts[-1],)](tab, ftab, ts, P, T_DTYPE=_TL[a[0].dtype], S_DTYPE=_TL[slots[0].dtype], BR=BR, BC=BC,
+                          LOG_P=max(1, (P - 1).bit_length()), num_warps=4)
 
 
-def momentum(g, buf, out, mu: float, nesterov: bool, BR: int = 64, BC: int = 64) -> None:
-    N, R, C = g.shape
-    _momentum_kernel[_grid(g, BR, BC)](g, buf, out, R, C, *g.stride(), float(mu), NESTEROV=bool(nesterov),
-                                       BR=BR, BC=BC, num_warps=4)
+def momentum(grads: list, bufs: list, slots: list, mus: list[float], nesterovs: list[bool]) -> None:
+    _launch(_momentum_kernel, grads, bufs, slots, [(float(m), float(bool(n))) for m, n in zip(mus, nesterovs)])
 
 
-def update(p, o, decay: float, alpha: float, BR: int = 64, BC: int = 64) -> None:
-    N, R, C = p.shape
-    _update_kernel[_grid(p, BR, BC)](p, o, R, C, *p.stride(), float(decay), float(alpha), BR=BR, BC=BC, num_warps=4)
+def update(params: list, slots: list, decays: list[float], alphas: list[float]) -> None:
+    _launch(_update_kernel, params, None, slots, [(float(d), float(a)) for d, a in zip(decays, alphas)])

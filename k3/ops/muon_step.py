@@ -1,18 +1,18 @@
-"""Muon's elementwise passes as one kernel each (SPEC §5): the momentum into the Newton-Schulz batch, the update
-back into the weight.
+"""Muon's elementwise passes as one kernel each per bucket (SPEC §5): the momentum into the Newton-Schulz batch, the
+update back into the weights.
 
 A parameter's blocks (heads, experts, or the whole matrix; transposed when tall, so every block of a batch has one
-orientation) are a strided view [N, R, C] of its storage; the batch slot is [N, R, C], contiguous, in the batch's
-dtype (bf16 on CUDA).
+orientation) are a strided view [N, R, C] of its storage; its slot in the batch is [N, R, C], contiguous, in the
+batch's dtype (bf16 on CUDA). For each tensor i of a bucket:
 
-    momentum:  buf <- lerp(buf, g, 1 - mu);  slot <- round(lerp(g, buf, mu))   (Nesterov; else slot <- round(buf))
-    update:    p   <- p * decay + alpha * slot                                   (decay = 1 - lr wd, alpha = -lr s)
+    momentum:  buf_i <- lerp(buf_i, g_i, 1 - mu_i);  slot_i <- round(lerp(g_i, buf_i, mu_i))   (Nesterov; else buf_i)
+    update:    p_i   <- p_i * decay_i + alpha_i * slot_i                   (decay = 1 - lr wd, alpha = -lr 0.2 sqrt(n))
 
-Unfused, these are two foreach lerps over the gradients and momenta, a copy of each gradient into the batch (cast
-and transpose), then a foreach multiply and an add of each update into its weight (a copy first where the update's
-layout is not the weight's): six passes, ~54 bytes moved per fp32 element. Fused, each is one pass reading and
-writing each element once (~14 and ~10 bytes), and the update is read from the batch in place (no copy back to the
-weight's layout). On CUDA one Triton kernel each; elsewhere the same math as torch ops (the reference).
+On CUDA each pass is ONE Triton launch for the whole bucket (every tile of every tensor; ``k3.ops._muon_triton``),
+reading and writing each element once (~14 and ~10 bytes per fp32 element) and the update read from the batch in
+place: against two foreach lerps, a cast-and-transpose copy of each gradient into the batch, a foreach multiply and
+an add of each update (~54 bytes per element, ~2 launches per parameter: the optimiser step of a small model is
+bound by its launches). Elsewhere the same math as torch ops, tensor by tensor (the reference).
 """
 
 from __future__ import annotations
@@ -24,36 +24,54 @@ from ._triton import triton_available
 __all__ = ["fused_applies", "momentum_into", "apply_update"]
 
 
-def fused_applies(t: torch.Tensor) -> bool:
-    """The Triton kernels take this tensor (a plain CUDA tensor, not a DTensor shard; Triton importable)."""
-    return t.is_cuda and type(t) is torch.Tensor and triton_available()
+def fused_applies(tensors: list[torch.Tensor]) -> bool:
+    """The Triton kernels take these tensors: plain CUDA tensors (not DTensor shards), Triton importable."""
+    return all(t.is_cuda and type(t) is torch.Tensor for t in tensors) and triton_available()
 
 
-def momentum_into(g: torch.Tensor, buf: torch.Tensor, slot: torch.Tensor, mu: float, nesterov: bool) -> None:
-    """Update the momentum ``buf`` in place from the gradient ``g`` and write the step's direction into ``slot``.
-    ``g``, ``buf``: [N, R, C] views with the same strides; ``slot``: contiguous [N, R, C]. ``g`` is not changed."""
-    _check(g, buf, slot)
-    if fused_applies(g):
+def momentum_into(grads: list[torch.Tensor], bufs: list[torch.Tensor], slots: list[torch.Tensor], mus: list[float],
+                  nesterovs: list[bool]) -> None:
+    """Update each momentum ``bufs[i]`` in place from ``grads[i]`` and write the step's direction into ``slots[i]``.
+    grads[i], bufs[i]: [N, R, C] views with the same strides; slots[i]: contiguous [N, R, C]. Gradients are read,
+    not written."""
+    _check(grads, bufs, slots, mus, nesterovs)
+    if not grads:
+        return
+    if fused_applies(grads + bufs + slots) and _one_dtype(grads + bufs) and _one_dtype(slots):
         from ._muon_triton import momentum
 
-        return momentum(g, buf, slot, mu, nesterov)
-    buf.lerp_(g, 1 - mu)
-    slot.copy_(torch.lerp(g, buf, mu) if nesterov else buf)
+        return momentum(grads, bufs, slots, mus, nesterovs)
+    for g, b, s, mu, nesterov in zip(grads, bufs, slots, mus, nesterovs):
+        b.lerp_(g, 1 - mu)
+        s.copy_(torch.lerp(g, b, mu) if nesterov else b)
 
 
-def apply_update(p: torch.Tensor, slot: torch.Tensor, decay: float, alpha: float) -> None:
-    """p <- p * decay + alpha * slot, in place; ``p``: [N, R, C] view of the weight, ``slot``: contiguous [N, R, C]."""
-    _check(p, p, slot)
-    if fused_applies(p):
+def apply_update(params: list[torch.Tensor], slots: list[torch.Tensor], decays: list[float],
+                 alphas: list[float]) -> None:
+    """params[i] <- params[i] * decays[i] + alphas[i] * slots[i], in place; params[i]: [N, R, C] views of the
+    weights, slots[i]: contiguous [N, R, C]."""
+    _check(params, params, slots, decays, alphas)
+    if not params:
+        return
+    if fused_applies(params + slots) and _one_dtype(params) and _one_dtype(slots):
         from ._muon_triton import update
 
-        return update(p, slot, decay, alpha)
-    p.mul_(decay).add_(slot, alpha=alpha)
+        return update(params, slots, decays, alphas)
+    for p, s, decay, alpha in zip(params, slots, decays, alphas):
+        p.mul_(decay).add_(s, alpha=alpha)
 
 
-def _check(a: torch.Tensor, b: torch.Tensor, slot: torch.Tensor) -> None:
-    if a.dim() != 3 or a.shape != b.shape or a.shape != slot.shape or a.stride() != b.stride():
-        raise ValueError(f"muon_step: need [N, R, C] views of one layout and a slot of their shape; got "
-                         f"{tuple(a.shape)} {a.stride()}, {tuple(b.shape)} {b.stride()}, slot {tuple(slot.shape)}")
-    if not slot.is_contiguous():
-        raise ValueError(f"muon_step: the batch slot must be contiguous, got strides {slot.stride()}")
+def _one_dtype(tensors: list[torch.Tensor]) -> bool:
+    return len({t.dtype for t in tensors}) == 1 and tensors[0].dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check(a: list, b: list, slots: list, *scalars: list) -> None:
+    if not len(a) == len(b) == len(slots) or any(len(x) != len(a) for x in scalars):
+        raise ValueError(f"muon_step: lists of different lengths: {len(a)}, {len(b)}, {len(slots)}, "
+                         f"{[len(x) for x in scalars]}")
+    for x, y, s in zip(a, b, slots):
+        if x.dim() != 3 or x.shape != y.shape or x.shape != s.shape or x.stride() != y.stride():
+            raise ValueError(f"muon_step: need [N, R, C] views of one layout and a slot of their shape; got "
+                             f"{tuple(x.shape)} {x.stride()}, {tuple(y.shape)} {y.stride()}, slot {tuple(s.shape)}")
+        if not s.is_contiguous():
+            raise ValueError(f"muon_step: a batch slot must be contiguous, got strides {s.stride()}")

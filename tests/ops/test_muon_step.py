@@ -17,6 +17,7 @@ from k3.train.optim.muon import Muon, _blocks
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+FUSED_APPLIES = ms.fused_applies
 # (weight shape, split kind, H): the block views are contiguous, strided (columns per head) or transposed (tall)
 LAYOUTS = [((40, 24), "whole", 1), ((48, 20), "rows", 4), ((24, 36), "cols", 3), ((4, 40, 8), "experts", 4),
            ((4, 8, 40), "experts", 4), ((70, 130), "whole", 1)]
@@ -27,66 +28,74 @@ def _tol():
 
 
 @needs_triton
-@pytest.mark.parametrize("shape,kind,H", LAYOUTS)
-@pytest.mark.parametrize("nesterov", [True, False])
-def test_momentum_kernel_is_the_two_lerps_and_the_cast_into_the_slot(shape, kind, H, nesterov):
+def test_momentum_kernel_is_the_two_lerps_and_the_cast_into_the_slots():
+    """Every layout in ONE launch (tensors of different shapes, strides and momenta; Nesterov on some)."""
     from k3.ops._muon_triton import momentum
 
-    g0, b0 = torch.randn(shape, device=DEV), torch.randn(shape, device=DEV)
-    view = _blocks(g0, kind, H)
-    slot_ref, slot = torch.empty(view.shape, device=DEV), torch.empty(view.shape, device=DEV)
-    g1, b1, b2 = g0.clone(), b0.clone(), b0.clone()
-    b1.lerp_(g1, 0.05)
-    u = torch.lerp(g1, b1, 0.95) if nesterov else b1
-    slot_ref.copy_(_blocks(u, kind, H))
-    momentum(_blocks(g0, kind, H), _blocks(b2, kind, H), slot, 0.95, nesterov)
-    torch.testing.assert_close(b2, b1, **_tol())
-    torch.testing.assert_close(slot, slot_ref, **_tol())
-    torch.testing.assert_close(g0, g1, atol=0, rtol=0)  # the gradient is read, not written
+    g0 = [torch.randn(shape, device=DEV) for shape, _, _ in LAYOUTS]
+    b0 = [torch.randn(shape, device=DEV) for shape, _, _ in LAYOUTS]
+    b1, b2 = [b.clone() for b in b0], [b.clone() for b in b0]
+    views = lambda ts: [_blocks(t, kind, H) for t, (_, kind, H) in zip(ts, LAYOUTS)]  # noqa: E731
+    mus = [0.95, 0.9, 0.8, 0.95, 0.5, 0.99]
+    nest = [True, False, True, True, False, True]
+    ref = [torch.empty(v.shape, device=DEV) for v in views(g0)]
+    for g, b, s, mu, n in zip(views(g0), views(b1), ref, mus, nest):
+        b.lerp_(g, 1 - mu)
+        s.copy_(torch.lerp(g, b, mu) if n else b)
+    slots = [torch.empty(v.shape, device=DEV) for v in views(g0)]
+    g_before = [g.clone() for g in g0]
+    momentum(views(g0), views(b2), slots, mus, nest)
+    for i in range(len(LAYOUTS)):
+        torch.testing.assert_close(b2[i], b1[i], **_tol(), msg=str(LAYOUTS[i]))
+        torch.testing.assert_close(slots[i], ref[i], **_tol(), msg=str(LAYOUTS[i]))
+        torch.testing.assert_close(g0[i], g_before[i], atol=0, rtol=0)  # the gradient is read, not written
 
 
 @needs_triton
-@pytest.mark.parametrize("shape,kind,H", LAYOUTS)
-def test_update_kernel_adds_the_slot_into_the_weight_through_its_view(shape, kind, H):
+def test_update_kernel_adds_each_slot_into_its_weight_through_its_view():
     from k3.ops._muon_triton import update
 
-    p0 = torch.randn(shape, device=DEV)
-    slot = torch.randn(_blocks(p0, kind, H).shape, device=DEV)
-    ref, out = p0.clone(), p0.clone()
-    _blocks(ref, kind, H).mul_(0.99).add_(slot, alpha=-0.3)
-    update(_blocks(out, kind, H), slot, 0.99, -0.3)
-    torch.testing.assert_close(out, ref, **_tol())
+    p0 = [torch.randn(shape, device=DEV) for shape, _, _ in LAYOUTS]
+    ref, out = [p.clone() for p in p0], [p.clone() for p in p0]
+    slots = [torch.randn(_blocks(p, kind, H).shape, device=DEV) for p, (_, kind, H) in zip(p0, LAYOUTS)]
+    decays, alphas = [0.99, 1.0, 0.9, 0.999, 0.98, 0.97], [-0.3, -0.01, 0.2, -1.0, -0.5, -0.05]
+    for p, s, d, a, (_, kind, H) in zip(ref, slots, decays, alphas, LAYOUTS):
+        _blocks(p, kind, H).mul_(d).add_(s, alpha=a)
+    update([_blocks(p, kind, H) for p, (_, kind, H) in zip(out, LAYOUTS)], slots, decays, alphas)
+    for i in range(len(LAYOUTS)):
+        torch.testing.assert_close(out[i], ref[i], **_tol(), msg=str(LAYOUTS[i]))
 
 
-def test_views_of_another_layout_or_a_strided_slot_are_refused():
+def test_views_of_another_layout_a_strided_slot_or_uneven_lists_are_refused():
     g = torch.randn(3, 8, 16)
     with pytest.raises(ValueError, match="one layout"):
-        ms.momentum_into(g, torch.randn(3, 16, 8).mT, torch.empty(3, 8, 16), 0.9, True)
+        ms.momentum_into([g], [torch.randn(3, 16, 8).mT], [torch.empty(3, 8, 16)], [0.9], [True])
     with pytest.raises(ValueError, match="contiguous"):
-        ms.apply_update(g, torch.empty(3, 16, 8).mT, 1.0, 1.0)
+        ms.apply_update([g], [torch.empty(3, 16, 8).mT], [1.0], [1.0])
+    with pytest.raises(ValueError, match="different lengths"):
+        ms.apply_update([g, g], [torch.empty(3, 8, 16)], [1.0], [1.0])
 
 
 TINY = K3Config.preset("tiny")
 
 
 def _two_steps(model, grads, monkeypatch, fused):
-    """Two steps with every Muon parameter through the fused kernels (``fused``; on CPU in Triton's interpreter)
-    or through the foreach path."""
-    import k3.train.optim.muon as muon
-
-    monkeypatch.setattr(muon, "FUSED_MIN_NUMEL", 0)
-    monkeypatch.setattr(muon, "fused_applies", lambda t: fused)
-    monkeypatch.setattr(ms, "fused_applies", lambda t: fused)
+    """Two steps with Muon's passes through the bucket kernels (``fused``; on CPU in Triton's interpreter) or
+    through the reference's torch ops."""
+    calls = []
+    kernels = (lambda ts: True) if DEV == "cpu" else FUSED_APPLIES  # on CPU the interpreter takes CPU tensors
+    monkeypatch.setattr(ms, "fused_applies", lambda ts: calls.append(kernels(ts) if fused else False) or calls[-1])
     opt = build_optimizer(model, lr=1e-2)
     for gs in grads:
         for n, p in model.named_parameters():
             p.grad = gs[n].clone()
         opt.step()
+    assert calls and all(calls) == fused  # every pass of every bucket took the path asked for
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 @needs_triton
-def test_a_muon_step_through_the_kernels_equals_the_foreach_path(monkeypatch):
+def test_a_muon_step_through_the_kernels_equals_the_reference(monkeypatch):
     """fp32 on CPU: equal to rounding; on CUDA both fill a bf16 batch, so one bf16 rounding of the direction may
     differ (atol ~ lr 0.2 sqrt(n) 2^-8)."""
     torch.manual_seed(0)

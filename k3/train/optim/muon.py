@@ -25,10 +25,9 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from ...ops.muon_step import apply_update, fused_applies, momentum_into
+from ...ops.muon_step import apply_update, momentum_into
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
-FUSED_MIN_NUMEL = 1 << 22  # parameters this large take k3.ops.muon_step's fused passes on CUDA
 SPLIT_HELP = 'expected "whole", "rows:H", "cols:H" (H a positive int dividing that dim) or "experts"'
 
 
@@ -167,56 +166,42 @@ class Muon(Optimizer):
 
     def _update(self, items: list, steps: int, eps: float, n_max: int) -> None:
         """One bucket: blocks of one (wide) shape from any number of parameters, through Newton-Schulz as ONE
-        batched bmm chain. Each parameter's blocks are a strided view of its storage (``_blocks``) and its slot in
-        the batch (bf16 on CUDA) is filled and read back through that view. Large CUDA parameters (``FUSED_MIN_NUMEL``
-        elements or more: bandwidth-bound) take one fused pass each way (``k3.ops.muon_step``); the rest, a few
-        foreach ops over the bucket and a copy each (launch-bound: two Triton launches per parameter cost more
-        than they save at small sizes). FSDP2 shards (DTensors) orthogonalise the gathered whole matrix."""
+        batched bmm chain. Each parameter's blocks are a strided view of its storage (``_blocks``), through which
+        its slot in the batch (bf16 on CUDA) is filled and its update added back: the momentum and Nesterov mix into
+        the batch, then decay and update into the weights, each one pass over the bucket (``k3.ops.muon_step``: one
+        Triton launch each on CUDA, torch ops elsewhere). FSDP2 shards (DTensors) update their momentum shard by
+        shard and orthogonalise the gathered whole matrix."""
         for p, _, _, _ in items:
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-        fused = [fused_applies(p) and fused_applies(p.grad) and p.numel() >= FUSED_MIN_NUMEL for p, _, _, _ in items]
         sizes = [_blocks(p, kind, H).shape[0] for p, _, kind, H in items]
         p0, _, kind0, H0 = items[0]
         R, C = _blocks(p0, kind0, H0).shape[1:]
         X = torch.empty(sum(sizes), R, C, device=p0.device,
                         dtype=torch.bfloat16 if p0.device.type == "cuda" else torch.float32)
         slots = X.split(sizes)
-        rest = [i for i, f in enumerate(fused) if not f]
-        for (mu, nesterov), idx in _by([items[i] for i in rest], lambda g: (g["momentum"], g["nesterov"])).items():
-            grads = [items[rest[j]][0].grad for j in idx]
-            bufs = [self.state[items[rest[j]][0]]["momentum_buffer"] for j in idx]
-            torch._foreach_lerp_(bufs, grads, 1 - mu)
-            if nesterov:
-                torch._foreach_lerp_(grads, bufs, mu)  # written over the gradient (as Keller Jordan's Muon)
-            for j, u in zip(idx, grads if nesterov else bufs):
-                _, _, kind, H = items[rest[j]]
-                slots[rest[j]].copy_(_blocks(u.full_tensor() if isinstance(u, DTensor) else u, kind, H))
-        for (p, group, kind, H), slot, f in zip(items, slots, fused):
-            if f:
-                momentum_into(_blocks(p.grad, kind, H), _blocks(self.state[p]["momentum_buffer"], kind, H), slot,
-                              group["momentum"], group["nesterov"])
+        plain = [i for i, (p, _, _, _) in enumerate(items) if not isinstance(p, DTensor)]
+        momentum_into([_blocks(items[i][0].grad, *items[i][2:]) for i in plain],
+                      [_blocks(self.state[items[i][0]]["momentum_buffer"], *items[i][2:]) for i in plain],
+                      [slots[i] for i in plain], [items[i][1]["momentum"] for i in plain],
+                      [items[i][1]["nesterov"] for i in plain])
+        for (p, group, kind, H), slot in zip(items, slots):
+            if isinstance(p, DTensor):
+                buf, mu = self.state[p]["momentum_buffer"], group["momentum"]
+                buf.lerp_(p.grad, 1 - mu)
+                u = torch.lerp(p.grad, buf, mu) if group["nesterov"] else buf
+                slot.copy_(_blocks(u.full_tensor(), kind, H))
         O = newton_schulz(X, steps, eps=eps).split(sizes)
         scale = 0.2 * math.sqrt(n_max)
-        for (lr, wd), idx in _by([items[i] for i in rest], lambda g: (g["lr"], g["weight_decay"])).items():
-            torch._foreach_mul_([items[rest[j]][0] for j in idx], 1 - lr * wd)
-        for (p, group, kind, H), slot, f in zip(items, O, fused):
-            alpha = -group["lr"] * scale
-            if f:
-                apply_update(_blocks(p, kind, H), slot, 1 - group["lr"] * group["weight_decay"], alpha)
-            elif isinstance(p, DTensor):
+        decays = [1 - g["lr"] * g["weight_decay"] for _, g, _, _ in items]
+        alphas = [-g["lr"] * scale for _, g, _, _ in items]
+        apply_update([_blocks(items[i][0], *items[i][2:]) for i in plain], [O[i] for i in plain],
+                     [decays[i] for i in plain], [alphas[i] for i in plain])
+        for (p, group, kind, H), slot, decay, alpha in zip(items, O, decays, alphas):
+            if isinstance(p, DTensor):
                 A, B = block_shape(p.shape, kind, H)
-                p.add_(_like(p, from_blocks(slot.mT if A > B else slot, kind, p.shape).to(p.dtype)), alpha=alpha)
-            else:
-                _blocks(p, kind, H).add_(slot, alpha=alpha)  # bf16 update into the fp32 weight, through the view
-
-
-def _by(items: list, key) -> dict:
-    """Indices of ``items`` grouped by ``key(param group)``, in order."""
-    out: dict = {}
-    for i, (_, group, _, _) in enumerate(items):
-        out.setdefault(key(group), []).append(i)
-    return out
+                full = from_blocks(slot.mT if A > B else slot, kind, p.shape).to(p.dtype)
+                p.mul_(decay).add_(_like(p, full), alpha=alpha)
 
 
 def _blocks(t: torch.Tensor, kind: str, H: int) -> torch.Tensor:

@@ -71,7 +71,7 @@ for s in $steps; do
     kdadec) timeout ${T_KDADEC:-120} python3 benchmarks/bench_kda.py --decode --json "$L/bench_kda_decode.json" 2>&1 | tee "$L/bench_kda_decode.log" ;;
     # AttnRes's kernels: the training forward/backward (the backward's column-kernel tiles), the inference row kernel
     attnres) timeout ${T_ATTNRES:-240} python3 benchmarks/bench_attn_res.py --json "$L/bench_attn_res.json" 2>&1 | tee "$L/bench_attn_res.log" ;;
-    # the optimiser step of small and medium: Muon's fused passes against the foreach path (their GPU test first)
+    # the optimiser step of small and medium: Muon's fused passes against their torch-op reference (GPU test first)
     muon)   timeout ${T_MUON:-150} bash -c "python3 -m pytest -q -p no:cacheprovider -W ignore tests/ops/test_muon_step.py; python3 benchmarks/bench_muon.py --json $L/bench_muon.json" 2>&1 | tee "$L/bench_muon.log" ;;
     kda)    timeout ${T_KDA:-420} python3 benchmarks/bench_kda.py --json "$L/bench_kda.json" 2>&1 | tee "$L/bench_kda.log" ;;
     # the suite checks the distributed logic with the reference KDA kernels (no fla autotuning in every spawned

@@ -306,6 +306,7 @@ def backward(dy: torch.Tensor, sources: list[torch.Tensor], u: torch.Tensor, nw:
                                                    num_warps=cw, **meta)
     return grads, du.sum(0), (dnw.sum(0) if nw is not None else None)
 
+
 def rows(sources: list[torch.Tensor], delta: torch.Tensor | None, query: torch.Tensor, key_norm: torch.Tensor,
          nw: torch.Tensor | None, eps: float, norm_eps: float,
          num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

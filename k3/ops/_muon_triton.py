@@ -1,10 +1,13 @@
 """Triton kernels of ``k3.ops.muon_step`` (imported only when Triton is there). See that module for the math.
 
 Legend: P tensors of one bucket; each a strided view [N, R, C] of its storage (strides s0, s1, s2: a head block, an
-expert, the transpose of a tall block) with a contiguous slot [N, R, C] in the Newton-Schulz batch. ONE launch for
-the whole bucket: grid = every [BR x BC] tile of every tensor; a program finds its tensor by binary search over the
-tensors' first tiles (TS), reads the tensor's addresses, shape and strides from a table (TAB, int64 [P, 8]) and its
-scalars from another (FTAB, fp32 [P, 2]).
+expert, the transpose of a tall block) with a contiguous slot [N, R, C] in the Newton-Schulz batch. One launch per
+memory order in the bucket (ORDER: 0 = C contiguous, s2 = 1; 1 = R contiguous, s1 = 1, a tall block seen
+transposed; 2 = neither), so the compiler knows which axis is contiguous and reads and writes both sides in
+coalesced vectors (with runtime strides alone every element is its own load). grid = every [BR x BC] tile of every
+tensor of that order; a program finds its tensor by binary search over the tensors' first tiles (TS), reads the
+tensor's addresses, shape and strides from a table (TAB, int64 [P, 8]) and its scalars from another (FTAB, fp32
+[P, 2]).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl
 
 
 @triton.jit
-def _tile(TAB, TS, P, BR: tl.constexpr, BC: tl.constexpr, LOG_P: tl.constexpr):
+def _tile(TAB, TS, P, BR: tl.constexpr, BC: tl.constexpr, LOG_P: tl.constexpr, ORDER: tl.constexpr):
     """-> (tensor index, its table row, element offsets in the strided view, offsets in the slot, mask)."""
     pid = tl.program_id(0).to(tl.int64)
     lo = pid * 0
@@ -35,13 +38,19 @@ def _tile(TAB, TS, P, BR: tl.constexpr, BC: tl.constexpr, LOG_P: tl.constexpr):
     n, rem = t // (tr * tc), t % (tr * tc)
     i = ((rem // tc) * BR + tl.arange(0, BR))[:, None]
     j = ((rem % tc) * BC + tl.arange(0, BC))[None, :]
-    return lo, row, n * s0 + i * s1 + j * s2, (n * R + i) * C + j, (i < R) & (j < C)
+    if ORDER == 0:
+        src = n * s0 + i * s1 + j
+    elif ORDER == 1:
+        src = n * s0 + i + j * s2
+    else:
+        src = n * s0 + i * s1 + j * s2
+    return lo, row, src, (n * R + i) * C + j, (i < R) & (j < C)
 
 
 @triton.jit
 def _momentum_kernel(TAB, FTAB, TS, P, T_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr, BR: tl.constexpr,
-                     BC: tl.constexpr, LOG_P: tl.constexpr):
-    k, row, src, dst, m = _tile(TAB, TS, P, BR, BC, LOG_P)
+                     BC: tl.constexpr, LOG_P: tl.constexpr, ORDER: tl.constexpr):
+    k, row, src, dst, m = _tile(TAB, TS, P, BR, BC, LOG_P, ORDER)
     G = tl.load(row).to(tl.pointer_type(T_DTYPE))
     BUF = tl.load(row + 1).to(tl.pointer_type(T_DTYPE))
     OUT = tl.load(row + 2).to(tl.pointer_type(S_DTYPE))
@@ -56,8 +65,8 @@ def _momentum_kernel(TAB, FTAB, TS, P, T_DTYPE: tl.constexpr, S_DTYPE: tl.conste
 
 @triton.jit
 def _update_kernel(TAB, FTAB, TS, P, T_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr, BR: tl.constexpr,
-                   BC: tl.constexpr, LOG_P: tl.constexpr):
-    k, row, dst_p, src_o, m = _tile(TAB, TS, P, BR, BC, LOG_P)
+                   BC: tl.constexpr, LOG_P: tl.constexpr, ORDER: tl.constexpr):
+    k, row, dst_p, src_o, m = _tile(TAB, TS, P, BR, BC, LOG_P, ORDER)
     W = tl.load(row).to(tl.pointer_type(T_DTYPE))
     O = tl.load(row + 2).to(tl.pointer_type(S_DTYPE))
     decay, alpha = tl.load(FTAB + k * 2), tl.load(FTAB + k * 2 + 1)
@@ -66,25 +75,38 @@ def _update_kernel(TAB, FTAB, TS, P, T_DTYPE: tl.constexpr, S_DTYPE: tl.constexp
     tl.store(W + dst_p, (p * decay + alpha * o).to(T_DTYPE), mask=m)
 
 
+def _order(x: torch.Tensor) -> int:
+    """0: C contiguous (s2 = 1, or one column); 1: R contiguous (s1 = 1, or one row); 2: neither."""
+    _, R, C = x.shape
+    if C == 1 or x.stride(2) == 1:
+        return 0
+    return 1 if R == 1 or x.stride(1) == 1 else 2
+
+
 def _launch(kernel, a: list, b: list | None, slots: list, scalars: list[tuple[float, float]], BR: int = 64,
             BC: int = 64) -> None:
-    rows, starts = [], [0]
-    for i, (x, s) in enumerate(zip(a, slots)):
-        N, R, C = x.shape
-        rows.append([x.data_ptr(), b[i].data_ptr() if b is not None else 0, s.data_ptr(), R, C, *x.stride()])
-        starts.append(starts[-1] + N * triton.cdiv(R, BR) * triton.cdiv(C, BC))
-    if starts[-1] == 0:
-        return
-    dev = a[0].device
+    groups: dict[int, list[int]] = {}
+    for i, x in enumerate(a):
+        if x.numel():
+            groups.setdefault(_order(x), []).append(i)
+    dev = a[0].device if a else None
 
     def table(values, dtype):  # pinned, then copied without waiting for the device (CPU: the interpreter's)
         t = torch.tensor(values, dtype=dtype)
         return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
 
-    tab, ts, ftab = table(rows, torch.int64), table(starts, torch.int64), table(scalars, torch.float32)
-    P = len(a)
-    kernel[(starts[-1],)](tab, ftab, ts, P, T_DTYPE=_TL[a[0].dtype], S_DTYPE=_TL[slots[0].dtype], BR=BR, BC=BC,
-                          LOG_P=max(1, (P - 1).bit_length()), num_warps=4)
+    for order, idx in groups.items():
+        rows, starts = [], [0]
+        for i in idx:
+            x, s = a[i], slots[i]
+            N, R, C = x.shape
+            rows.append([x.data_ptr(), b[i].data_ptr() if b is not None else 0, s.data_ptr(), R, C, *x.stride()])
+            starts.append(starts[-1] + N * triton.cdiv(R, BR) * triton.cdiv(C, BC))
+        tab, ts, ftab = table(rows, torch.int64), table(starts, torch.int64), table([scalars[i] for i in idx],
+                                                                                     torch.float32)
+        P = len(idx)
+        kernel[(starts[-1],)](tab, ftab, ts, P, T_DTYPE=_TL[a[0].dtype], S_DTYPE=_TL[slots[0].dtype], BR=BR,
+                              BC=BC, LOG_P=max(1, (P - 1).bit_length()), ORDER=order, num_warps=4)
 
 
 def momentum(grads: list, bufs: list, slots: list, mus: list[float], nesterovs: list[bool]) -> None:

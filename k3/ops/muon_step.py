@@ -8,7 +8,8 @@ batch's dtype (bf16 on CUDA). For each tensor i of a bucket:
     momentum:  buf_i <- lerp(buf_i, g_i, 1 - mu_i);  slot_i <- round(lerp(g_i, buf_i, mu_i))   (Nesterov; else buf_i)
     update:    p_i   <- p_i * decay_i + alpha_i * slot_i                   (decay = 1 - lr wd, alpha = -lr 0.2 sqrt(n))
 
-On CUDA each pass is ONE Triton launch for the whole bucket (every tile of every tensor; ``k3.ops._muon_triton``),
+On CUDA each pass is one Triton launch per memory order in the bucket (every tile of every tensor whose rows, or
+whose columns, are contiguous; ``k3.ops._muon_triton``),
 reading and writing each element once (~14 and ~10 bytes per fp32 element) and the update read from the batch in
 place: against two foreach lerps, a cast-and-transpose copy of each gradient into the batch, a foreach multiply and
 an add of each update (~54 bytes per element, ~2 launches per parameter: the optimiser step of a small model is
@@ -21,12 +22,18 @@ import torch
 
 from ._triton import triton_available
 
-__all__ = ["fused_applies", "momentum_into", "apply_update"]
+__all__ = ["fused_applies", "kernel_types", "momentum_into", "apply_update"]
+
+
+def kernel_types(tensors: list[torch.Tensor]) -> bool:
+    """Plain tensors or parameters (a whole expert bank's view is the parameter itself), not subclasses such as
+    DTensor shards, whose data the kernels' raw addresses would not reach."""
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
 
 
 def fused_applies(tensors: list[torch.Tensor]) -> bool:
-    """The Triton kernels take these tensors: plain CUDA tensors (not DTensor shards), Triton importable."""
-    return all(t.is_cuda and type(t) is torch.Tensor for t in tensors) and triton_available()
+    """The Triton kernels take these tensors: CUDA, of ``kernel_types``, Triton importable."""
+    return all(t.is_cuda for t in tensors) and kernel_types(tensors) and triton_available()
 
 
 def momentum_into(grads: list[torch.Tensor], bufs: list[torch.Tensor], slots: list[torch.Tensor], mus: list[float],

@@ -29,7 +29,8 @@ def _tol():
 
 @needs_triton
 def test_momentum_kernel_is_the_two_lerps_and_the_cast_into_the_slots():
-    """Every layout in ONE launch (tensors of different shapes, strides and momenta; Nesterov on some)."""
+    """Every layout in one call (tensors of different shapes, strides and momenta; Nesterov on some; C- and
+    R-contiguous views each one launch)."""
     from k3.ops._muon_triton import momentum
 
     g0 = [torch.randn(shape, device=DEV) for shape, _, _ in LAYOUTS]
@@ -76,6 +77,45 @@ def test_views_of_another_layout_a_strided_slot_or_uneven_lists_are_refused():
         ms.apply_update([g, g], [torch.empty(3, 8, 16)], [1.0], [1.0])
 
 
+@needs_triton
+def test_both_kernels_take_views_with_neither_axis_contiguous_beside_plain_ones():
+    """A view strided on every axis (the kernels' third memory order) in the same call as a contiguous one and a
+    transposed one: each element through its own address."""
+    from k3.ops._muon_triton import momentum, update
+
+    torch.manual_seed(2)
+    bases = [(5, 70, 90), (3, 20, 30), (2, 40, 16)]
+    cut = [lambda t: t[:, ::2, 1::3], lambda t: t, lambda t: t.mT]  # strides (6300, 180, 3); contiguous; (640, 1, 16)
+    g, b = [torch.randn(s, device=DEV) for s in bases], [torch.randn(s, device=DEV) for s in bases]
+    b_ref = [x.clone() for x in b]
+    gv, bv, rv = ([c(t) for c, t in zip(cut, ts)] for ts in (g, b, b_ref))
+    slots = [torch.empty(v.shape, device=DEV) for v in gv]
+    momentum(gv, bv, slots, [0.9, 0.8, 0.95], [True, False, True])
+    for x, y, r, s, mu, n in zip(gv, bv, rv, slots, [0.9, 0.8, 0.95], [True, False, True]):
+        r.lerp_(x, 1 - mu)
+        torch.testing.assert_close(y, r, **_tol())
+        torch.testing.assert_close(s, torch.lerp(x, r, mu) if n else r, **_tol())
+    w = [torch.randn(s, device=DEV) for s in bases]
+    w_ref = [x.clone() for x in w]
+    update([c(t) for c, t in zip(cut, w)], slots, [0.99, 0.9, 1.0], [-0.1, 0.5, -2.0])
+    for c, x, r, s, d, a in zip(cut, w, w_ref, slots, [0.99, 0.9, 1.0], [-0.1, 0.5, -2.0]):
+        c(r).mul_(d).add_(s, alpha=a)
+        torch.testing.assert_close(x, r, **_tol())
+
+
+class _Shard(torch.Tensor):  # a tensor subclass, as DTensor is
+    pass
+
+
+def test_the_kernels_take_parameters_and_plain_tensors_not_subclasses():
+    """A whole expert bank's view is the Parameter itself: it must take the kernels (it once fell back)."""
+    w = torch.nn.Parameter(torch.randn(4, 8, 8))
+    assert ms.kernel_types([w, w.detach(), w.mT])
+    tall = torch.nn.Parameter(torch.randn(4, 16, 8))
+    assert ms.kernel_types([_blocks(w, "experts", 4), _blocks(tall, "experts", 4)])
+    assert not ms.kernel_types([w, torch.randn(4, 8, 8).as_subclass(_Shard)])
+
+
 TINY = K3Config.preset("tiny")
 
 
@@ -83,7 +123,7 @@ def _two_steps(model, grads, monkeypatch, fused):
     """Two steps with Muon's passes through the bucket kernels (``fused``; on CPU in Triton's interpreter) or
     through the reference's torch ops."""
     calls = []
-    kernels = (lambda ts: True) if DEV == "cpu" else FUSED_APPLIES  # on CPU the interpreter takes CPU tensors
+    kernels = ms.kernel_types if DEV == "cpu" else FUSED_APPLIES  # on CPU the interpreter takes CPU tensors
     monkeypatch.setattr(ms, "fused_applies", lambda ts: calls.append(kernels(ts) if fused else False) or calls[-1])
     opt = build_optimizer(model, lr=1e-2)
     for gs in grads:

@@ -142,7 +142,9 @@ def build_optimizer(model: nn.Module, lr: float = 2e-4, weight_decay: float = 0.
                     momentum: float = 0.95) -> CombinedOptimizer:
     """Muon + AdamW over ``model`` following ``describe_param_groups``; one Muon group per split, two AdamW
     groups (with and without weight decay). Every group has a "name" for logging. A part with no parameters
-    (e.g. AdamW for a bare expert bank) is left out."""
+    (e.g. AdamW for a bare expert bank) is left out. AdamW is torch's fused kernel when its parameters are plain
+    CUDA tensors (a few launches for all of them instead of a foreach chain per group; the same update), its
+    foreach form otherwise (CPU, DTensor shards)."""
     params = dict(model.named_parameters())
     muon_groups: dict[str, list] = {}
     adam_groups: dict[bool, list] = {True: [], False: []}
@@ -156,8 +158,10 @@ def build_optimizer(model: nn.Module, lr: float = 2e-4, weight_decay: float = 0.
         parts["muon"] = Muon([{"params": ps, "split": s, "name": f"muon/{s}"} for s, ps in muon_groups.items()],
                              lr=lr, momentum=momentum, weight_decay=weight_decay)
     if adam_groups[True] or adam_groups[False]:
+        adam = adam_groups[True] + adam_groups[False]
+        fused = all(p.is_cuda and type(p) is nn.Parameter for p in adam) or None
         parts["adamw"] = torch.optim.AdamW(
             [{"params": ps, "weight_decay": weight_decay if decay else 0.0,
               "name": "adamw/" + ("decay" if decay else "no_decay")} for decay, ps in adam_groups.items() if ps],
-            lr=lr, betas=adam_betas, eps=adam_eps)
+            lr=lr, betas=adam_betas, eps=adam_eps, fused=fused)
     return CombinedOptimizer(**parts)

@@ -434,3 +434,33 @@ def test_muon_runs_one_newton_schulz_per_shape_group(monkeypatch):
     blocks = sum(to_blocks(p, *parse_split(g["split"], p.shape)).shape[0]
                  for g in opt.optimizers["muon"].param_groups for p in g["params"])
     assert sum(c[0] for c in calls) == blocks > len(calls)
+
+
+def test_muon_keeps_its_buckets_while_the_parameters_stay_and_rebuilds_them_when_they_change():
+    """The bucket plan is built once (the host's per-step work), rebuilt when a parameter loses its gradient or the
+    groups are replaced (load_state_dict); a gradient in another memory layout than its parameter's (transposed)
+    gives the same step as a contiguous one."""
+    torch.manual_seed(3)
+    a, b = torch.nn.Parameter(torch.randn(24, 40)), torch.nn.Parameter(torch.randn(24, 40))
+    ga, gb = torch.randn(24, 40), torch.randn(24, 40)
+    opt = Muon([{"params": [a, b], "split": "rows:4"}], lr=1e-2)
+    ref = Muon([{"params": [a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()],
+                 "split": "rows:4"}], lr=1e-2)
+    ra, rb = ref.param_groups[0]["params"]
+    for step in range(3):
+        a.grad, b.grad = ga.clone(), (gb.mT.contiguous().mT if step == 1 else gb.clone())  # step 1: b's grad strided
+        ra.grad, rb.grad = ga.clone(), gb.clone()
+        if step == 2:
+            b.grad = rb.grad = None  # b's gradient goes: the plan must drop it
+        plan = opt._plan
+        opt.step()
+        ref._plan = (None, [])  # the reference rebuilds every step
+        ref.step()
+        assert (opt._plan is plan) == (step == 1)  # built at step 0, kept at step 1, rebuilt at step 2
+        torch.testing.assert_close(a.detach(), ra.detach(), atol=0, rtol=0)
+        torch.testing.assert_close(b.detach(), rb.detach(), atol=0, rtol=0)
+    kept = opt._plan
+    opt.load_state_dict(opt.state_dict())  # new group dicts
+    a.grad = ga.clone()
+    opt.step()
+    assert opt._plan is not kept

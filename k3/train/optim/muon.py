@@ -127,6 +127,7 @@ class Muon(Optimizer):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, split=split,
                         ns_steps=ns_steps, eps=eps)
         self.bucket_numel = bucket_numel
+        self._plan: tuple = (None, [])  # (key, buckets) of ``_buckets``
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -141,48 +142,70 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        buckets: dict[tuple, list] = {}  # blocks of one (wide) shape, NS settings, device and dtype
+        for bucket in self._buckets():
+            self._update(bucket)
+        return loss
+
+    def _buckets(self) -> list["_Bucket"]:
+        """This step's buckets: blocks of one (wide) shape, NS settings, device and dtype, at most ``bucket_numel``
+        elements each. Built once and kept while the parameters with a gradient, their storage, their splits and
+        NS settings stay the same (the per-step host work is then one key and, per tensor, one ``as_strided``: a
+        small model's optimiser step is bound by the host)."""
+        key = []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("Muon does not support sparse gradients")
+                key.append((id(p), None if isinstance(p, DTensor) else p.data_ptr(), p.grad.dtype, group["split"],
+                            group["ns_steps"], group["eps"], id(group)))
+        key = tuple(key)
+        if self._plan[0] == key:
+            return self._plan[1]
+        by_shape: dict[tuple, list] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
                 kind, H = parse_split(group["split"], p.shape)
                 A, B = block_shape(p.shape, kind, H)
-                key = (min(A, B), max(A, B), group["ns_steps"], group["eps"], p.device, p.grad.dtype)
-                buckets.setdefault(key, []).append((p, group, kind, H))
-        for (_, n_max, steps, eps, _, _), items in buckets.items():
+                by_shape.setdefault((min(A, B), max(A, B), group["ns_steps"], group["eps"], p.device, p.grad.dtype),
+                                    []).append((p, group, kind, H))
+        buckets = []
+        for (_, n_max, steps, eps, _, _), items in by_shape.items():
             chunk, size = [], 0
             for item in items:
                 chunk.append(item)
                 size += item[0].numel()
                 if size >= self.bucket_numel:
-                    self._update(chunk, steps, eps, n_max)
+                    buckets.append(_Bucket(chunk, steps, eps, n_max))
                     chunk, size = [], 0
             if chunk:
-                self._update(chunk, steps, eps, n_max)
-        return loss
+                buckets.append(_Bucket(chunk, steps, eps, n_max))
+        self._plan = (key, buckets)
+        return buckets
 
-    def _update(self, items: list, steps: int, eps: float, n_max: int) -> None:
+    def _update(self, bucket: "_Bucket") -> None:
         """One bucket: blocks of one (wide) shape from any number of parameters, through Newton-Schulz as ONE
         batched bmm chain. Each parameter's blocks are a strided view of its storage (``_blocks``), through which
         its slot in the batch (bf16 on CUDA) is filled and its update added back: the momentum and Nesterov mix into
         the batch, then decay and update into the weights, each one pass over the bucket (``k3.ops.muon_step``: one
-        Triton launch each on CUDA, torch ops elsewhere). FSDP2 shards (DTensors) update their momentum shard by
-        shard and orthogonalise the gathered whole matrix."""
-        for p, _, _, _ in items:
-            if "momentum_buffer" not in self.state[p]:
-                self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-        sizes = [_blocks(p, kind, H).shape[0] for p, _, kind, H in items]
-        p0, _, kind0, H0 = items[0]
-        R, C = _blocks(p0, kind0, H0).shape[1:]
-        X = torch.empty(sum(sizes), R, C, device=p0.device,
-                        dtype=torch.bfloat16 if p0.device.type == "cuda" else torch.float32)
+        Triton launch per memory order on CUDA, torch ops elsewhere). FSDP2 shards (DTensors) update their momentum
+        shard by shard and orthogonalise the gathered whole matrix."""
+        items, plain, sizes = bucket.items, bucket.plain, bucket.sizes
+        for p, _, _, _ in items:  # each momentum buffer in its parameter's layout (one view of both, and of the grad)
+            state = self.state[p]
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif not isinstance(p, DTensor) and buf.stride() != p.stride():  # e.g. loaded from another layout
+                state["momentum_buffer"] = _in_layout(buf, p)
+        X = torch.empty(sum(sizes), bucket.R, bucket.C, device=bucket.device,
+                        dtype=torch.bfloat16 if bucket.device.type == "cuda" else torch.float32)
         slots = X.split(sizes)
-        plain = [i for i, (p, _, _, _) in enumerate(items) if not isinstance(p, DTensor)]
-        momentum_into([_blocks(items[i][0].grad, *items[i][2:]) for i in plain],
-                      [_blocks(self.state[items[i][0]]["momentum_buffer"], *items[i][2:]) for i in plain],
+        momentum_into([bucket.view(i, items[i][0].grad) for i in plain],
+                      [bucket.view(i, self.state[items[i][0]]["momentum_buffer"]) for i in plain],
                       [slots[i] for i in plain], [items[i][1]["momentum"] for i in plain],
                       [items[i][1]["nesterov"] for i in plain])
         for (p, group, kind, H), slot in zip(items, slots):
@@ -191,17 +214,47 @@ class Muon(Optimizer):
                 buf.lerp_(p.grad, 1 - mu)
                 u = torch.lerp(p.grad, buf, mu) if group["nesterov"] else buf
                 slot.copy_(_blocks(u.full_tensor(), kind, H))
-        O = newton_schulz(X, steps, eps=eps).split(sizes)
-        scale = 0.2 * math.sqrt(n_max)
+        O = newton_schulz(X, bucket.steps, eps=bucket.eps).split(sizes)
+        scale = 0.2 * math.sqrt(bucket.n_max)
         decays = [1 - g["lr"] * g["weight_decay"] for _, g, _, _ in items]
         alphas = [-g["lr"] * scale for _, g, _, _ in items]
-        apply_update([_blocks(items[i][0], *items[i][2:]) for i in plain], [O[i] for i in plain],
+        apply_update([bucket.param_views[i] for i in plain], [O[i] for i in plain],
                      [decays[i] for i in plain], [alphas[i] for i in plain])
         for (p, group, kind, H), slot, decay, alpha in zip(items, O, decays, alphas):
             if isinstance(p, DTensor):
                 A, B = block_shape(p.shape, kind, H)
                 full = from_blocks(slot.mT if A > B else slot, kind, p.shape).to(p.dtype)
                 p.mul_(decay).add_(_like(p, full), alpha=alpha)
+
+
+class _Bucket:
+    """One Newton-Schulz batch: its items (param, group, kind, H), NS settings, each plain parameter's block view
+    (``_blocks``) and, to view a gradient or momentum buffer of the parameter's layout the same way, that view's
+    shape, strides and offset within the parameter."""
+
+    def __init__(self, items: list, steps: int, eps: float, n_max: int):
+        self.items, self.steps, self.eps, self.n_max = items, steps, eps, n_max
+        views = [_blocks(p, kind, H) for p, _, kind, H in items]
+        self.sizes = [v.shape[0] for v in views]
+        self.R, self.C = views[0].shape[1:]
+        self.device = items[0][0].device
+        self.plain = [i for i, (p, _, _, _) in enumerate(items) if not isinstance(p, DTensor)]
+        self.param_views = {i: views[i] for i in self.plain}
+        self.geometry = {i: (views[i].shape, views[i].stride(), views[i].storage_offset() - p.storage_offset(),
+                             p.stride()) for i, p in ((i, items[i][0]) for i in self.plain)}
+
+    def view(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """Item i's blocks of ``t`` (its gradient or momentum buffer) through one ``as_strided``; a gradient in
+        another layout than the parameter's (autograd's usual one) is first copied into that layout."""
+        shape, stride, offset, layout = self.geometry[i]
+        if t.stride() != layout:
+            t = _in_layout(t, self.items[i][0])
+        return t.as_strided(shape, stride, t.storage_offset() + offset)
+
+
+def _in_layout(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with ``p``'s strides."""
+    return torch.empty_strided(p.shape, p.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _blocks(t: torch.Tensor, kind: str, H: int) -> torch.Tensor:

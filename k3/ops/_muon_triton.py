@@ -6,9 +6,8 @@ memory order in the bucket (ORDER: 0 = C contiguous, s2 = 1; 1 = R contiguous, s
 transposed; 2 = neither), so the compiler knows which axis is contiguous and reads and writes both sides in
 coalesced vectors (with runtime strides alone every element is its own load). grid = every [BR x BC] tile of every
 tensor of that order; a program finds its tensor by binary search over the tensors' first tiles (TS), reads the
-tensor's addresses, shape and strides from a table (TAB [P, 8]) and its two scalars (FTAB [P, 2]). TS, TAB and FTAB
-are pieces of ONE float64 table (one host-to-device copy per launch: the host's cost, not the device's, bounds a
-small model's optimiser step), every integer in it exact (addresses, sizes and strides are far below 2^53).
+tensor's addresses, shape and strides from a table (TAB, int64 [P, 8]) and its scalars from another (FTAB, fp32
+[P, 2]).
 """
 
 from __future__ import annotations
@@ -28,14 +27,14 @@ def _tile(TAB, TS, P, BR: tl.constexpr, BC: tl.constexpr, LOG_P: tl.constexpr, O
     hi = lo + P
     for _ in tl.static_range(LOG_P):  # TS[lo] <= pid < TS[hi]
         mid = (lo + hi) // 2
-        go = tl.load(TS + mid).to(tl.int64) <= pid
+        go = tl.load(TS + mid) <= pid
         lo = tl.where(go, mid, lo)
         hi = tl.where(go, hi, mid)
     row = TAB + lo * 8
-    R, C = tl.load(row + 3).to(tl.int64), tl.load(row + 4).to(tl.int64)
-    s0, s1, s2 = tl.load(row + 5).to(tl.int64), tl.load(row + 6).to(tl.int64), tl.load(row + 7).to(tl.int64)
+    R, C = tl.load(row + 3), tl.load(row + 4)
+    s0, s1, s2 = tl.load(row + 5), tl.load(row + 6), tl.load(row + 7)
     tr, tc = tl.cdiv(R, BR), tl.cdiv(C, BC)
-    t = pid - tl.load(TS + lo).to(tl.int64)
+    t = pid - tl.load(TS + lo)
     n, rem = t // (tr * tc), t % (tr * tc)
     i = ((rem // tc) * BR + tl.arange(0, BR))[:, None]
     j = ((rem % tc) * BC + tl.arange(0, BC))[None, :]
@@ -52,10 +51,10 @@ def _tile(TAB, TS, P, BR: tl.constexpr, BC: tl.constexpr, LOG_P: tl.constexpr, O
 def _momentum_kernel(TAB, FTAB, TS, P, T_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr, BR: tl.constexpr,
                      BC: tl.constexpr, LOG_P: tl.constexpr, ORDER: tl.constexpr):
     k, row, src, dst, m = _tile(TAB, TS, P, BR, BC, LOG_P, ORDER)
-    G = tl.load(row).to(tl.int64).to(tl.pointer_type(T_DTYPE))
-    BUF = tl.load(row + 1).to(tl.int64).to(tl.pointer_type(T_DTYPE))
-    OUT = tl.load(row + 2).to(tl.int64).to(tl.pointer_type(S_DTYPE))
-    mu, nesterov = tl.load(FTAB + k * 2).to(tl.float32), tl.load(FTAB + k * 2 + 1).to(tl.float32)
+    G = tl.load(row).to(tl.pointer_type(T_DTYPE))
+    BUF = tl.load(row + 1).to(tl.pointer_type(T_DTYPE))
+    OUT = tl.load(row + 2).to(tl.pointer_type(S_DTYPE))
+    mu, nesterov = tl.load(FTAB + k * 2), tl.load(FTAB + k * 2 + 1)
     g = tl.load(G + src, mask=m, other=0.0).to(tl.float32)
     b = tl.load(BUF + src, mask=m, other=0.0).to(tl.float32)
     b = b + (1.0 - mu) * (g - b)  # lerp(buf, g, 1 - mu), torch's form for a weight below 1/2
@@ -68,9 +67,9 @@ def _momentum_kernel(TAB, FTAB, TS, P, T_DTYPE: tl.constexpr, S_DTYPE: tl.conste
 def _update_kernel(TAB, FTAB, TS, P, T_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr, BR: tl.constexpr,
                    BC: tl.constexpr, LOG_P: tl.constexpr, ORDER: tl.constexpr):
     k, row, dst_p, src_o, m = _tile(TAB, TS, P, BR, BC, LOG_P, ORDER)
-    W = tl.load(row).to(tl.int64).to(tl.pointer_type(T_DTYPE))
-    O = tl.load(row + 2).to(tl.int64).to(tl.pointer_type(S_DTYPE))
-    decay, alpha = tl.load(FTAB + k * 2).to(tl.float32), tl.load(FTAB + k * 2 + 1).to(tl.float32)
+    W = tl.load(row).to(tl.pointer_type(T_DTYPE))
+    O = tl.load(row + 2).to(tl.pointer_type(S_DTYPE))
+    decay, alpha = tl.load(FTAB + k * 2), tl.load(FTAB + k * 2 + 1)
     p = tl.load(W + dst_p, mask=m, other=0.0).to(tl.float32)
     o = tl.load(O + src_o, mask=m, other=0.0).to(tl.float32)
     tl.store(W + dst_p, (p * decay + alpha * o).to(T_DTYPE), mask=m)
@@ -91,19 +90,21 @@ def _launch(kernel, a: list, b: list | None, slots: list, scalars: list[tuple[fl
         if x.numel():
             groups.setdefault(_order(x), []).append(i)
     dev = a[0].device if a else None
+
+    def table(values, dtype):  # pinned, then copied without waiting for the device (CPU: the interpreter's)
+        t = torch.tensor(values, dtype=dtype)
+        return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+
     for order, idx in groups.items():
-        starts, rows, scal = [0], [], []
+        rows, starts = [], [0]
         for i in idx:
             x, s = a[i], slots[i]
             N, R, C = x.shape
-            rows += [x.data_ptr(), b[i].data_ptr() if b is not None else 0, s.data_ptr(), R, C, *x.stride()]
-            scal += scalars[i]
+            rows.append([x.data_ptr(), b[i].data_ptr() if b is not None else 0, s.data_ptr(), R, C, *x.stride()])
             starts.append(starts[-1] + N * triton.cdiv(R, BR) * triton.cdiv(C, BC))
+        tab, ts, ftab = table(rows, torch.int64), table(starts, torch.int64), table([scalars[i] for i in idx],
+                                                                                     torch.float32)
         P = len(idx)
-        table = torch.tensor(starts + rows + scal, dtype=torch.float64)  # TS [P+1], TAB [P, 8], FTAB [P, 2]
-        if dev.type == "cuda":  # pinned, then copied without waiting for the device (CPU: the interpreter's)
-            table = table.pin_memory().to(dev, non_blocking=True)
-        ts, tab, ftab = table[:P + 1], table[P + 1:9 * P + 1], table[9 * P + 1:]
         kernel[(starts[-1],)](tab, ftab, ts, P, T_DTYPE=_TL[a[0].dtype], S_DTYPE=_TL[slots[0].dtype], BR=BR,
                               BC=BC, LOG_P=max(1, (P - 1).bit_length()), ORDER=order, num_warps=4)
 

@@ -302,7 +302,7 @@ def k3_row(preset: str, cfg: K3Config, args, policy: str, batches=None) -> dict:
     memory = ActivationManager(policy)
     memory.attach(model)
     if args.compile:
-        compile_model(model, **({"mode": args.compile_mode} if args.compile_mode != "default" else {}))
+        compile_model(model)
     plan = ParallelPlan(ParallelDims(), device=device)
     opt = build_optimizer(model, lr=1e-3)
     bal = ExpertBalancer(model)
@@ -332,8 +332,7 @@ def k3_row(preset: str, cfg: K3Config, args, policy: str, batches=None) -> dict:
     n = args.steps
     kind = "uniform" if batches is None else "corpus"
     row = row_stats(preset, f"k3 {preset}", kind, each, B * T, k3_flops(cfg, B * T, sum(sq[-n:]) / n),
-                    args.peak_tflops * 1e12, device, memory_policy=policy,
-                    compile=args.compile_mode if args.compile else None, docs_per_step=sum(docs[-n:]) / n, loss=loss,
+                    args.peak_tflops * 1e12, device, memory_policy=policy, docs_per_step=sum(docs[-n:]) / n, loss=loss,
                     load_max_over_mean=[round(x, 2) for x in load[-n:]], **slow)
     if args.profile:
         profile_step(step, device, Path(args.profile) / f"k3-{preset}-{kind}.txt", model=model,
@@ -382,9 +381,6 @@ def main():
     ap.add_argument("--memory-policy", default="keep", help=f"one of {', '.join(sorted(POLICIES))}, or several "
                     "(comma-separated): each K3 row runs under the first whose step fits in memory")
     ap.add_argument("--compile", action="store_true", help="regional torch.compile for K3, whole-model for the peer")
-    ap.add_argument("--compile-mode", default="default", choices=["default", "reduce-overhead"],
-                    help="with --compile: torch.compile's mode for K3's regions (reduce-overhead: each region's "
-                         "forward and backward replayed as CUDA graphs, one launch each)")
     ap.add_argument("--vocab-size", type=int, default=32768, help="--docs corpus: the BPE's size (k3 train's default)")
     ap.add_argument("--data-max-bytes", type=int, default=8_000_000, help="--docs corpus: bytes of the corpus")
     ap.add_argument("--peak-tflops", type=float, default=780.0, help="the device's bf16 peak for MFU")
@@ -419,8 +415,7 @@ def main():
 
 
 def report(rows: list[dict], args) -> None:
-    mode = args.compile_mode if args.compile else "off"
-    print(f"\n{args.batch} x {args.seq_len} tokens per step on {args.device}; compile {mode}, "
+    print(f"\n{args.batch} x {args.seq_len} tokens per step on {args.device}; compile {'on' if args.compile else 'off'}, "
           f"KDA backend {args.kda_backend}")
     print("| model | documents | memory policy | docs/step | tokens/s | MFU | step min / median / max | peak memory |")
     print("|---|---|---|---|---|---|---|---|")

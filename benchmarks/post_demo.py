@@ -30,6 +30,7 @@ from k3.post.evaluate import evaluate_policy
 from k3.post.rl import RLConfig, rl_train
 from k3.post.sft_data import prepare
 from k3.post.tasks import get_task, write_sft_jsonl
+from k3.post.tasks.sorting import TRACES as SORTING_TRACES
 from k3.train.loop import TrainConfig, train
 from k3.train.metrics import read_metrics
 
@@ -110,7 +111,8 @@ def main():
     p.add_argument("--difficulty", default="arithmetic=3,sorting=6", help="TASK=D,...: each task's difficulty")
     p.add_argument("--arith-ops", default="+-", help="arithmetic's operations (of + - *)")
     p.add_argument("--sorting-lengths", default="uniform", help="sorting's list lengths: uniform or long-tail")
-    p.add_argument("--sorting-trace", default="selection", help="sorting's max-effort reasoning: selection or counting")
+    p.add_argument("--sorting-trace", default="selection", choices=SORTING_TRACES,
+                   help="sorting's max-effort reasoning (k3/post/tasks/sorting.py)")
     p.add_argument("--sft-problems", type=int, default=1000, help="per task and effort")
     p.add_argument("--sft-steps", type=int, default=800)
     p.add_argument("--sft-init", default=None, help="fine-tune this checkpoint (and keep its tokenizer) instead of "

@@ -212,6 +212,25 @@ def test_sorting_counting_trace_lists_each_value_and_its_occurrences():
         Sorting(trace="bubble")
 
 
+@pytest.mark.parametrize("xs,values", [
+    ([7], "7"), ([4, 4], "4"), ([9, 0], "0 9"), ([5, 3, 9, 1, 3], "1 3 5 9"), ([2, 2, 2, 0, 2], "0 2"),
+    ([3, 2, 1, 0], "0 1 2 3"),
+])
+def test_sorting_distinct_trace_sketch_then_the_values_in_order(xs, values):
+    """trace="distinct": high's sketch (length and extremes), then the distinct values in ascending order; the final
+    answer writes each as often as the prompt has it, and checks as correct."""
+    p = Problem("sorting", f"Sort: {' '.join(map(str, xs))}", " ".join(map(str, sorted(xs))), {"xs": xs})
+    task = Sorting(trace="distinct")
+    reasoning = task.reference_reasoning(p, "max")
+    sketch = task.reference_reasoning(p, "high")
+    assert reasoning == f"n = {len(xs)} , min = {min(xs)} , max = {max(xs)}\n{values}" and reasoning.startswith(sketch)
+    assert sorted(set(p.answer.split()), key=int) == values.split() and task.check(p, p.answer)
+    assert task.verify(p, f"<think>\n{reasoning}\n</think>\n{p.answer}") == 1.0
+    assert task.reference_reasoning(p, "low") == ""
+    with pytest.raises(ValueError, match=r"sorting: trace must be one of .*'counting', 'distinct'.*got 'Distinct'"):
+        Sorting(trace="Distinct")
+
+
 # ------------------------------------------------------------------------------------------------- the sandbox
 
 def test_sandbox_runs_correct_code():

@@ -8,10 +8,13 @@ lengths of a batch have the long tail that partial rollout is for). The check co
 answer (spaces or commas between them).
 
 Reasoning at "max", by ``trace``: "selection" (selection sort, one line per step, "take 1 from 5 3 9 1 3": the
-smallest of what is left, found by comparing each; its length grows with the square of the length) or "counting"
+smallest of what is left, found by comparing each; its length grows with the square of the length), "counting"
 (counting sort: every value from 0 to ``max_value`` in order, each followed by its occurrences in the list or "-",
 "0 : - 1 : 1 2 : - 3 : 3 3 ...": each step a count of one value, found by matching it in the prompt; the answer is
-the occurrences in order); at "high" the length and the extremes; at "low" none.
+the occurrences in order) or "distinct" (high's sketch, then the distinct values in ascending order, "n = 5 , min
+= 1 , max = 9" and "1 3 5 9": which numbers come in which order, without their counts; the final answer writes each
+as often as the prompt has it); at "high" the length and the extremes; at "low" none. On the tiny preset none of
+them makes max as accurate as low (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 from .base import Problem, Task, check_difficulty, check_effort, spaced
 
 LENGTHS = ("uniform", "long-tail")
-TRACES = ("selection", "counting")
+TRACES = ("selection", "counting", "distinct")
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,7 @@ class Sorting(Task):
     difficulty: int = 6
     max_value: int = 9
     lengths: str = "uniform"  # "uniform" | "long-tail": how a list's length is drawn (the module docstring)
-    trace: str = "selection"  # "selection" | "counting": max effort's reasoning (the module docstring)
+    trace: str = "selection"  # one of TRACES: max effort's reasoning (the module docstring)
     name = "sorting"
 
     def __post_init__(self):
@@ -53,8 +56,11 @@ class Sorting(Task):
         xs = problem.meta["xs"]
         if check_effort(effort) == "low":
             return ""
+        sketch = f"n = {len(xs)} , min = {min(xs)} , max = {max(xs)}"
         if effort == "high":
-            return f"n = {len(xs)} , min = {min(xs)} , max = {max(xs)}"
+            return sketch
+        if self.trace == "distinct":
+            return f"{sketch}\n{spaced(sorted(set(xs)))}"
         if self.trace == "counting":
             return spaced(f"{v} : {spaced([v] * xs.count(v)) if v in xs else '-'}" for v in range(self.max_value + 1))
         rest, lines = list(xs), []

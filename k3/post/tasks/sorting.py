@@ -13,8 +13,8 @@ smallest of what is left, found by comparing each; its length grows with the squ
 "0 : - 1 : 1 2 : - 3 : 3 3 ...": each step a count of one value, found by matching it in the prompt; the answer is
 the occurrences in order) or "distinct" (high's sketch, then the distinct values in ascending order, "n = 5 , min
 = 1 , max = 9" and "1 3 5 9": which numbers come in which order, without their counts; the final answer writes each
-as often as the prompt has it); at "high" the length and the extremes; at "low" none. On the tiny preset none of
-them makes max as accurate as low (benchmarks/RESULTS.md).
+as often as the prompt has it); at "high" the length and the extremes; at "low" none. After SFT on the tiny preset
+none of them makes max as accurate as low (benchmarks/RESULTS.md, which has the RL runs too).
 """
 
 from __future__ import annotations

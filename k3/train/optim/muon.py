@@ -151,27 +151,19 @@ class Muon(Optimizer):
         elements each. Built once and kept while the parameters with a gradient, their storage, their splits and
         NS settings stay the same (the per-step host work is then one key and, per tensor, one ``as_strided``: a
         small model's optimiser step is bound by the host)."""
-        key = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Muon does not support sparse gradients")
-                key.append((id(p), None if isinstance(p, DTensor) else p.data_ptr(), p.grad.dtype, group["split"],
-                            group["ns_steps"], group["eps"], id(group)))
-        key = tuple(key)
+        live = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if any(p.grad.is_sparse for p, _ in live):
+            raise RuntimeError("Muon does not support sparse gradients")
+        key = tuple((id(p), None if isinstance(p, DTensor) else p.data_ptr(), p.grad.dtype, group["split"],
+                     group["ns_steps"], group["eps"], id(group)) for p, group in live)
         if self._plan[0] == key:
             return self._plan[1]
         by_shape: dict[tuple, list] = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                kind, H = parse_split(group["split"], p.shape)
-                A, B = block_shape(p.shape, kind, H)
-                by_shape.setdefault((min(A, B), max(A, B), group["ns_steps"], group["eps"], p.device, p.grad.dtype),
-                                    []).append((p, group, kind, H))
+        for p, group in live:
+            kind, H = parse_split(group["split"], p.shape)
+            A, B = block_shape(p.shape, kind, H)
+            by_shape.setdefault((min(A, B), max(A, B), group["ns_steps"], group["eps"], p.device, p.grad.dtype),
+                                []).append((p, group, kind, H))
         buckets = []
         for (_, n_max, steps, eps, _, _), items in by_shape.items():
             chunk, size = [], 0

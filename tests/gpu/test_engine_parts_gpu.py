@@ -5,7 +5,9 @@ of several prompts, then eager decode steps.
 In float32 with IEEE matmuls (no TF32), relative RMS of the logits within 1e-3. Not in bf16: a randomly
 initialised MoE routes on near-ties (the 4th and 5th expert scores differ by ~0.01), so bf16 rounding alone picks
 other experts for 7% of the tokens of the first MoE layer and ~40% by the fourth, and two bf16 computations of the
-same forward (full vs packed) differ by 0.3-0.8 relative RMS: the test could not tell a bug from rounding."""
+same forward (full vs packed) differ by 0.3-0.8 relative RMS: the test could not tell a bug from rounding. Float32
+has near-ties too, rarely (routing_ties.py): a sequence whose full forward routes a token on one is held to the
+looser bound, and most sequences must be tie-free."""
 
 import os
 
@@ -18,6 +20,8 @@ from k3 import K3Config, K3ForCausalLM
 from k3.data.tokenizer import train_tokenizer
 from k3.inference.api import GenerationRequest, SamplingParams
 from k3.inference.engine import Engine, EngineConfig
+
+from .routing_ties import NEAR_TIE, TIE_BOUND, router_margins
 
 pytestmark = pytest.mark.gpu
 LENGTHS = (3, 70, 600, 1500, 2100)
@@ -54,24 +58,34 @@ def test_prefill_then_eager_decode_match_the_full_forward(backend):
     assert len(plan.prefill) == len(prompts) and all(it.sample is not None for it in plan.prefill)
     logits = eng.runner.prefill_logits(plan.prefill)  # every prompt in one packed forward
     eng.scheduler.update(plan, eng.seqs)
-    errs = [_rel(logits[i], model(torch.tensor([p], device="cuda"))["logits"][0, -1]) for i, p in enumerate(prompts)]
-    print(f"{backend} prefill: " + ", ".join(f"{n}: {e:.1e}" for n, e in zip(LENGTHS, errs)), flush=True)
+    errs, ties = [], []
+    for i, p in enumerate(prompts):
+        with router_margins(model) as margins:
+            errs.append(_rel(logits[i], model(torch.tensor([p], device="cuda"))["logits"][0, -1]))
+        ties.append(min(margins) < NEAR_TIE)
+    print(f"{backend} prefill: " + ", ".join(f"{n}: {e:.1e}{' (near-tie)' if t else ''}"
+                                             for n, e, t in zip(LENGTHS, errs, ties)), flush=True)
+    assert sum(ties) <= 2, ties  # the tight bound holds for most prompts
     for it in plan.prefill:
         eng.seqs[it.seq_id].tokens.append(7)
-    worst = []
     for step in range(4):
         plan = eng.scheduler.schedule()
         lg = eng.runner.decode_logits(plan.decode)
         eng.scheduler.update(plan, eng.seqs)
-        row = []
+        row, tie = [], []
         for b, it in enumerate(plan.decode):
             seq = eng.seqs[it.seq_id]
-            row.append(_rel(lg[b], model(torch.tensor([seq.tokens], device="cuda"))["logits"][0, -1]))
+            with router_margins(model) as margins:
+                row.append(_rel(lg[b], model(torch.tensor([seq.tokens], device="cuda"))["logits"][0, -1]))
+            tie.append(min(margins) < NEAR_TIE)
             seq.tokens.append(int(lg[b].argmax()))
-        print(f"{backend} decode step {step}: " + ", ".join(f"{e:.1e}" for e in row), flush=True)
-        worst.append(max(row))
+        print(f"{backend} decode step {step}: " + ", ".join(f"{e:.1e}{' (near-tie)' if t else ''}"
+                                                            for e, t in zip(row, tie)), flush=True)
+        errs += row
+        ties += tie
     eng.stop()
-    assert max(errs) < 1e-3 and max(worst) < 1e-3, (errs, worst)
+    for e, t in zip(errs, ties):
+        assert e < (TIE_BOUND if t else 1e-3), (errs, ties)
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -7,6 +7,8 @@ instead of the tight bound (still far below a wrong page or state, which is O(1)
 
 from contextlib import contextmanager
 
+import torch
+
 from k3.layers.width.router import Router
 
 NEAR_TIE = 2e-6  # a top-k margin of the router scores that fp32 rounding differences between two paths may cross
@@ -29,3 +31,11 @@ def router_margins(model):
     finally:
         for h in hooks:
             h.remove()
+
+
+def last_logits(model, tokens: list[int]) -> tuple[torch.Tensor, bool]:
+    """The full forward's last-position logits of ``tokens`` (on CUDA) and whether it routed any token on a
+    near-tie (a margin under ``NEAR_TIE``)."""
+    with router_margins(model) as margins:
+        logits = model(torch.tensor([tokens], device="cuda"))["logits"][0, -1]
+    return logits, min(margins) < NEAR_TIE

@@ -2,7 +2,8 @@
 kernels and with the reference kernels on the same GPU, so that a disagreement names its part: the packed prefill
 of several prompts, then eager decode steps.
 
-In float32 with IEEE matmuls (no TF32), relative RMS of the logits within 1e-3. Not in bf16: a randomly
+In float32 with IEEE matmuls (no TF32), relative RMS of the logits within 1e-3 (5e-3 with fla's kernels, whose
+dot products are TF32: BOUND). Not in bf16: a randomly
 initialised MoE routes on near-ties (the 4th and 5th expert scores differ by ~0.01), so bf16 rounding alone picks
 other experts for 7% of the tokens of the first MoE layer and ~40% by the fourth, and two bf16 computations of the
 same forward (full vs packed) differ by 0.3-0.8 relative RMS: the test could not tell a bug from rounding. Float32
@@ -22,6 +23,12 @@ from k3.inference.api import GenerationRequest, SamplingParams
 from k3.inference.engine import Engine, EngineConfig
 
 from .routing_ties import TIE_BOUND, last_logits
+
+# relative RMS of the logits off a near-tie. fla's Triton KDA kernels take their fp32 dot products in TF32 whatever
+# torch's matmul flags say (`tl.dot` without `input_precision`), and the engine runs other fla kernels than the full
+# forward (the fused recurrent step against the chunked form), so their bound is TF32's: the H200 measured up to
+# 2.0e-3 on a 600-token prompt with no near-tie (the torch backend: <= 1.2e-5)
+BOUND = {"torch": 1e-3, "fla": 5e-3}
 
 pytestmark = pytest.mark.gpu
 LENGTHS = (3, 70, 600, 1500, 2100)
@@ -85,7 +92,7 @@ def test_prefill_then_eager_decode_match_the_full_forward(backend):
         ties += tie
     eng.stop()
     for e, t in zip(errs, ties):
-        assert e < (TIE_BOUND if t else 1e-3), (errs, ties)
+        assert e < (TIE_BOUND if t else BOUND[backend]), (errs, ties)
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -10,7 +10,10 @@ tracking; backward; Quantile Balancing; gradient clipping; Muon + AdamW; QK-clip
 chosen ``--memory-policy`` and ``--compile`` (regional). ``--docs``: "uniform" packs ``--batch`` documents of
 exactly ``--seq-len`` tokens per step (the kernels' best case); "corpus" feeds what `k3 train` feeds: the embedded
 standard-library corpus through k3's own pipeline (a byte-level BPE of ``--vocab-size`` learned on its first 2 MB,
-documents packed into samples of ``--seq-len`` tokens, ``--batch`` samples per step, a new batch every step).
+documents packed into samples of ``--seq-len`` tokens, ``--batch`` samples per step, a new batch every step);
+"stream" the same corpus as `k3 train --packing stream` packs it (each sample one segment: a fixed layout).
+``--cuda-graph``: the uniform and stream rows replay the step's forward and backward as one CUDA graph
+(`k3 train --cuda-graph`, k3.train.graph); corpus rows, whose layout changes every step, stay eager.
 
 Peer rows ("dense"): plain PyTorch written here, the model a K3 row would be without its mechanisms, at the same
 width and depth: pre-norm RMSNorm, causal SDPA attention (head dim 64, or 128 from hidden 2048 up), SwiGLU MLP of
@@ -52,11 +55,9 @@ from benchmarks.common import header, host_counters, slowest  # noqa: E402
 from k3 import K3Config, K3ForCausalLM  # noqa: E402
 from k3.distributed.plan import ParallelDims, ParallelPlan  # noqa: E402
 from k3.model.params import count_parameters  # noqa: E402
-from k3.train.balance import ExpertBalancer  # noqa: E402
-from k3.train.compile import compile_model  # noqa: E402
-from k3.train.memory import POLICIES, ActivationManager  # noqa: E402
-from k3.train.optim import build_optimizer  # noqa: E402
-from k3.train.qk_clip import enable_max_logit_tracking, qk_clip_  # noqa: E402
+from k3.train.loop import TrainConfig  # noqa: E402
+from k3.train.memory import POLICIES  # noqa: E402
+from k3.train.trainer import Trainer  # noqa: E402
 
 
 def attention_flops(T_squared: float, layers: int, heads: int, d_qk: int, d_v: int) -> float:
@@ -265,23 +266,24 @@ def row_stats(preset: str, name: str, docs: str, each: list[float], tokens: int,
 
 
 def corpus_batches(batch: int, T: int, vocab_size: int, max_bytes: int):
-    """(vocab, a function giving endless batches {"input_ids" [1, batch*T], "cu_seqlens"}) as `k3 train` builds
-    them (the tokenizer is learned once)."""
+    """(vocab, a function of ``boundaries`` giving endless batches {"input_ids" [1, batch*T], "cu_seqlens"}) as
+    `k3 train` builds them, ``--packing documents`` (True) or ``stream`` (False); the tokenizer is learned once."""
     from k3.data import PackedDataset, encode_documents, eos_id, leading_documents, stdlib_documents, train_tokenizer
 
     docs = stdlib_documents(max_bytes)
     tok = train_tokenizer(leading_documents(docs, 2_000_000), vocab_size)
     ids = encode_documents(tok, docs)
-    return tok.get_vocab_size(), lambda: PackedDataset(ids, T, eos_id(tok), shuffle_seed=0).batches(batch)
+    return tok.get_vocab_size(), lambda boundaries: PackedDataset(ids, T, eos_id(tok), shuffle_seed=0,
+                                                                   boundaries=boundaries).batches(batch)
 
 
-def k3_rows(preset: str, cfg: K3Config, args, batches=None) -> dict:
+def k3_rows(preset: str, cfg: K3Config, args, batches=None, kind: str = "uniform") -> dict:
     """``k3_row`` under the first of ``--memory-policy``'s policies whose step fits in the device's memory (the row
     names it, and the policies that ran out of memory before it)."""
     oom = []
     for policy in args.memory_policy.split(","):
         try:
-            row = k3_row(preset, cfg, args, policy, batches)
+            row = k3_row(preset, cfg, args, policy, batches, kind)
             return {**row, "oom_policies": oom} if oom else row
         except torch.OutOfMemoryError as e:
             oom.append(policy)
@@ -289,27 +291,21 @@ def k3_rows(preset: str, cfg: K3Config, args, batches=None) -> dict:
         gc.collect()  # the failed step's model, optimiser state and activations, before the next policy
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    return {"preset": preset, "model": f"k3 {preset}", "docs": "uniform" if batches is None else "corpus",
-            "oom_policies": oom}
+    return {"preset": preset, "model": f"k3 {preset}", "docs": kind, "oom_policies": oom}
 
 
-def k3_row(preset: str, cfg: K3Config, args, policy: str, batches=None) -> dict:
-    """One K3 row: ``batches`` (endless packed batches) or None for uniform documents."""
+def k3_row(preset: str, cfg: K3Config, args, policy: str, batches=None, kind: str = "uniform") -> dict:
+    """One K3 row: ``batches`` (endless packed batches) or None for uniform documents; the step is `k3 train`'s
+    (``Trainer.step``), replayed as a CUDA graph with ``--cuda-graph`` where the layout is fixed (uniform, stream)."""
     device = args.device
     torch.manual_seed(0)
-    model = K3ForCausalLM(cfg).to(device).train()
-    model.set_kda_backend(args.kda_backend)
-    memory = ActivationManager(policy)
-    memory.attach(model)
-    if args.compile:
-        compile_model(model)
-    plan = ParallelPlan(ParallelDims(), device=device)
-    opt = build_optimizer(model, lr=1e-3)
-    bal = ExpertBalancer(model)
-    enable_max_logit_tracking(model)
+    model = K3ForCausalLM(cfg).to(device)
+    graphed = args.cuda_graph and kind != "corpus"
+    tcfg = TrainConfig(out="-", steps=1_000_000, lr=1e-3, warmup_frac=0.0, mtp_weight=0.3, qk_clip_tau=100.0,
+                       kda_backend=args.kda_backend, memory_policy=policy, compile=args.compile, cuda_graph=graphed)
+    trainer = Trainer(tcfg, ParallelPlan(ParallelDims(), device=device), model, log=lambda *a: None)
     B, T = args.batch, args.seq_len
     uniform = {"input_ids": torch.randint(0, cfg.vocab_size, (1, B * T)), "cu_seqlens": torch.arange(0, B * T + 1, T)}
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
     docs, sq, load = [], [], []
 
     def step():
@@ -317,23 +313,16 @@ def k3_row(preset: str, cfg: K3Config, args, policy: str, batches=None) -> dict:
         cu = batch["cu_seqlens"]
         docs.append(len(cu) - 1)
         sq.append(float(cu.diff().double().pow(2).sum()))
-        with amp, memory.forward(measure=False):
-            loss = plan.loss(model, batch, 0.3)
-        loss.loss.backward()
-        bal.observe()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        qk_clip_(model, 100.0)
-        load.append(bal.step()["load_max_over_mean"])  # the worst layer's routed-token max/mean
-        return loss.lm_loss
+        rec = trainer.step([batch])
+        load.append(rec["load_max_over_mean"])  # the worst layer's routed-token max/mean
+        return rec["loss"]
 
     each, loss, slow = timed(step, args.warmup, args.steps, device)
     n = args.steps
-    kind = "uniform" if batches is None else "corpus"
     row = row_stats(preset, f"k3 {preset}", kind, each, B * T, k3_flops(cfg, B * T, sum(sq[-n:]) / n),
-                    args.peak_tflops * 1e12, device, memory_policy=policy, docs_per_step=sum(docs[-n:]) / n, loss=loss,
-                    load_max_over_mean=[round(x, 2) for x in load[-n:]], **slow)
+                    args.peak_tflops * 1e12, device, memory_policy=policy, cuda_graph=graphed,
+                    docs_per_step=sum(docs[-n:]) / n, loss=loss, load_max_over_mean=[round(x, 2) for x in load[-n:]],
+                    **slow)
     if args.profile:
         profile_step(step, device, Path(args.profile) / f"k3-{preset}-{kind}.txt", model=model,
                      trace=args.trace)
@@ -371,7 +360,7 @@ def peer_row(preset: str, cfg: K3Config, args) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="small,medium")
-    ap.add_argument("--docs", default="uniform,corpus", help="comma-separated, of uniform, corpus (see above)")
+    ap.add_argument("--docs", default="uniform,corpus", help="comma-separated, of uniform, corpus, stream (see above)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=10)
@@ -381,6 +370,8 @@ def main():
     ap.add_argument("--memory-policy", default="keep", help=f"one of {', '.join(sorted(POLICIES))}, or several "
                     "(comma-separated): each K3 row runs under the first whose step fits in memory")
     ap.add_argument("--compile", action="store_true", help="regional torch.compile for K3, whole-model for the peer")
+    ap.add_argument("--cuda-graph", action="store_true", help="K3's uniform and stream rows: the step's forward and "
+                    "backward replayed as one CUDA graph (k3 train --cuda-graph); corpus rows stay eager")
     ap.add_argument("--vocab-size", type=int, default=32768, help="--docs corpus: the BPE's size (k3 train's default)")
     ap.add_argument("--data-max-bytes", type=int, default=8_000_000, help="--docs corpus: bytes of the corpus")
     ap.add_argument("--peak-tflops", type=float, default=780.0, help="the device's bf16 peak for MFU")
@@ -393,16 +384,17 @@ def main():
     if bad:
         ap.error(f"--memory-policy: unknown {sorted(bad)}; choose from {', '.join(sorted(POLICIES))}")
     kinds = args.docs.split(",")
-    if set(kinds) - {"uniform", "corpus"}:
-        ap.error(f"--docs: unknown {sorted(set(kinds) - {'uniform', 'corpus'})}; choose from uniform, corpus")
-    corpus = corpus_batches(args.batch, args.seq_len, args.vocab_size, args.data_max_bytes) if "corpus" in kinds \
-        else None
+    if set(kinds) - {"uniform", "corpus", "stream"}:
+        ap.error(f"--docs: unknown {sorted(set(kinds) - {'uniform', 'corpus', 'stream'})}; choose from uniform, "
+                 "corpus, stream")
+    corpus = corpus_batches(args.batch, args.seq_len, args.vocab_size, args.data_max_bytes) \
+        if {"corpus", "stream"} & set(kinds) else None
     rows = []
     for preset in args.presets.split(","):
         cfg = K3Config.preset(preset)
         for kind in kinds:
-            if kind == "corpus":
-                rows.append(k3_rows(preset, cfg.replace(vocab_size=corpus[0]), args, corpus[1]()))
+            if kind in ("corpus", "stream"):
+                rows.append(k3_rows(preset, cfg.replace(vocab_size=corpus[0]), args, corpus[1](kind == "corpus"), kind))
             else:
                 rows.append(k3_rows(preset, cfg, args))
             print(json.dumps(rows[-1]), flush=True)
@@ -417,27 +409,31 @@ def main():
 def report(rows: list[dict], args) -> None:
     print(f"\n{args.batch} x {args.seq_len} tokens per step on {args.device}; compile {'on' if args.compile else 'off'}, "
           f"KDA backend {args.kda_backend}")
-    print("| model | documents | memory policy | docs/step | tokens/s | MFU | step min / median / max | peak memory |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | documents | memory policy | CUDA graph | docs/step | tokens/s | MFU | step min / median / max | "
+          "peak memory |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         oom = f" ({', '.join(r['oom_policies'])}: out of memory)" if r.get("oom_policies") else ""
         if "step_ms" not in r:
-            print(f"| {r['model']} | {r['docs']} | -{oom} | - | - | - | - | - |")
+            print(f"| {r['model']} | {r['docs']} | -{oom} | - | - | - | - | - | - |")
             continue
         s = r["step_ms"]
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         mem = f"{r['peak_mem_gib']:.1f} GiB" if r["peak_mem_gib"] is not None else "-"
         docs = f"{r['docs_per_step']:.1f}" if "docs_per_step" in r else "-"
-        print(f"| {r['model']} | {r['docs']} | {r.get('memory_policy', '-')}{oom} | {docs} | {r['tokens_per_s']:,.0f} | "
+        graph = {True: "yes", False: "no"}.get(r.get("cuda_graph"), "-")
+        print(f"| {r['model']} | {r['docs']} | {r.get('memory_policy', '-')}{oom} | {graph} | {docs} | "
+              f"{r['tokens_per_s']:,.0f} | "
               f"{mfu} | {s['min']:.0f} / {s['median']:.0f} / {s['max']:.0f} ms | {mem} |")
     for preset in args.presets.split(","):
         by = {r["docs"]: r for r in rows if r["preset"] == preset and "step_ms" in r}
         peer = by.pop("any", None)
-        if "uniform" in by and "corpus" in by:
-            u, c = by["uniform"], by["corpus"]
-            print(f"k3 {preset}: corpus / uniform tokens/s {c['tokens_per_s'] / u['tokens_per_s']:.2f}x; corpus step "
-                  f"spread {c['step_ms']['min'] / c['step_ms']['median'] - 1:+.0%} / "
-                  f"{c['step_ms']['max'] / c['step_ms']['median'] - 1:+.0%} around its median")
+        for kind in ("corpus", "stream"):
+            if "uniform" in by and kind in by:
+                u, c = by["uniform"], by[kind]
+                print(f"k3 {preset}: {kind} / uniform tokens/s {c['tokens_per_s'] / u['tokens_per_s']:.2f}x; {kind} "
+                      f"step spread {c['step_ms']['min'] / c['step_ms']['median'] - 1:+.0%} / "
+                      f"{c['step_ms']['max'] / c['step_ms']['median'] - 1:+.0%} around its median")
         for r in by.values():
             if r["step_ms"]["max"] > 1.1 * r["step_ms"]["median"]:
                 print(f"k3 {preset} {r['docs']}: slowest step {r['slowest_step']} "

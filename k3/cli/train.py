@@ -48,6 +48,12 @@ def add_train_arguments(p, defaults: TrainConfig) -> None:
     p.add_argument("--compile", action="store_true", default=d.compile,
                    help="regional torch.compile: each layer's FFN, AttnRes mixes and KDA output norm (first steps "
                    "compile; CPU needs a C compiler)")
+    p.add_argument("--cuda-graph", action="store_true", default=d.cuda_graph,
+                   help="capture each micro-batch's forward + backward as one CUDA graph and replay it (one process, "
+                   "CUDA; every micro-batch must have the same layout: use with --packing stream)")
+    p.add_argument("--packing", choices=["documents", "stream"], default=d.packing,
+                   help="documents: each document its own segment (attention and KDA state reset at its start); "
+                   "stream: samples of the EOS-separated stream as one segment each (a fixed layout)")
     p.add_argument("--dp", type=positive_int, default=d.dp, help="data-parallel ranks (FSDP2); --batch-size is "
                    "per rank (per group of --cp ranks). Run under torchrun with --nproc_per_node = dp x cp x ep")
     p.add_argument("--cp", type=positive_int, default=d.cp, help="context-parallel ranks (KCP): each sequence is "
@@ -71,6 +77,7 @@ def config_from_args(args, base: TrainConfig) -> TrainConfig:
         doc_chars=args.doc_chars, balance=args.balance, mtp_weight=args.mtp_weight, qk_clip_tau=args.qk_clip or None,
         eval_every=args.eval_every, log_every=args.log_every, save_every=args.save_every, seed=args.seed,
         device=args.device, kda_backend=args.kda_backend, memory_policy=args.memory_policy, compile=args.compile,
+        cuda_graph=args.cuda_graph, packing=args.packing,
         stop_after=args.stop_after, dp=args.dp, cp=args.cp, ep=args.ep, verify=args.verify, qat=args.qat,
         init_from=args.init_from, chat=base.chat)
 

@@ -7,6 +7,11 @@ next sample. The model takes packed documents as batch 1, so a batch of B sample
 whose cu_seqlens hold every segment: KDA resets its state and MLA masks at each boundary, and no position
 predicts across one. Labels are the input ids (the model shifts inside). The last < T tokens are dropped.
 
+``boundaries=False`` (``k3 train --packing stream``) packs the same stream without marking documents: every sample
+is one segment (cu_seqlens [0, T]), attention and KDA's state cross documents with only the EOS between them, and
+every position but a sample's last is a target (GPT-style pretraining; torchtitan's default). Every batch then has
+the same layout, which a CUDA graph of the step (``--cuda-graph``) needs.
+
 Legend: T seq_len, B batch_size, N stream length, D documents, S segments in a sample or batch.
 """
 
@@ -99,14 +104,17 @@ class PackedDataset:
     ``shuffle_seed=None`` keeps stream order. One cursor per dataset: run one ``batches`` iterator at a time.
     ``drop_last=False`` keeps the last < T tokens as a shorter final sample (for validation: nothing unseen).
     ``label_docs`` (fine-tuning): per document, each token's training label, -100 where the token is no target
-    (a chat's prompt: ``k3.post.sft_data``); batches then carry "labels", -100 at every EOS too.
+    (a chat's prompt: ``k3.post.sft_data``); batches then carry "labels", -100 at every EOS too. ``boundaries``:
+    mark where documents start (True) or pack the stream as one segment per sample (False; see the module
+    docstring).
     """
 
     def __init__(self, token_docs: Sequence[Sequence[int]], seq_len: int, eos_id: int,
-                 shuffle_seed: int | None = 0, drop_last: bool = True, label_docs: Sequence[Sequence[int]] | None = None):
+                 shuffle_seed: int | None = 0, drop_last: bool = True, label_docs: Sequence[Sequence[int]] | None = None,
+                 boundaries: bool = True):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1; got {seq_len}")
-        self.seq_len, self.eos_id, self.shuffle_seed = seq_len, eos_id, shuffle_seed
+        self.seq_len, self.eos_id, self.shuffle_seed, self.boundaries = seq_len, eos_id, shuffle_seed, boundaries
         self.tokens, self.doc_starts = pack_stream(token_docs, eos_id)  # [N] int32, [D] int64
         self.labels = None  # [N] int32, -100 = not a target
         self.windows = len(self.tokens) // seq_len if drop_last else -(-len(self.tokens) // seq_len)
@@ -137,7 +145,11 @@ class PackedDataset:
         """(input_ids [T] int64, cu_seqlens [S+1] int64) of sample i in stream order."""
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range: the dataset has {self.num_samples} samples")
-        return _sample(self.tokens, self.doc_starts, int(self._window[i]), self.seq_len)
+        return self._window_sample(int(self._window[i]))
+
+    def _window_sample(self, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, cu = _sample(self.tokens, self.doc_starts, w, self.seq_len)
+        return (ids, cu) if self.boundaries else (ids, cu[[0, -1]])
 
     def _labels(self, i: int) -> torch.Tensor:
         w = int(self._window[i])
@@ -146,7 +158,7 @@ class PackedDataset:
     def _has_targets(self, w: int) -> bool:
         """Whether window ``w`` has a target 1 and 2 tokens ahead (the next-token and the first MTP loss) inside a
         document: a window of prompt tokens only is left out (its losses would be 0/0)."""
-        _, cu = _sample(self.tokens, self.doc_starts, w, self.seq_len)
+        _, cu = self._window_sample(w)
         lab = self.labels[w * self.seq_len: (w + 1) * self.seq_len]
         return all(count_targets(cu, lab, d) > 0 for d in (1, 2))
 

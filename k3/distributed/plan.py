@@ -44,9 +44,24 @@ from ..train.plan import StepLoss
 from .context_parallel import cp_model_loss
 from .process_group import collective_device, init_from_env, max_logits_across_ranks
 
-__all__ = ["ParallelDims", "ParallelPlan", "rank_slice"]
+__all__ = ["ParallelDims", "ParallelPlan", "PlacedBatch", "rank_slice"]
 
 _CP_LOSS = "_k3_cp_model_loss"  # cp_model_loss bound to the model, registered as an FSDP forward method
+
+
+@dataclass(frozen=True)
+class PlacedBatch:
+    """One rank's slice of a global batch on its device (``ParallelPlan.place``): ``input_ids`` and ``labels``
+    [1, n], ``cu_seqlens`` (its host values remembered, ``k3.ops.varlen.place_cu_seqlens``), ``media`` (the
+    vision inputs, as the model takes them), ``shares`` {1: next-token, 2: first MTP} (``rank_slice``) and
+    ``tokens``, those of the global batch."""
+
+    input_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    labels: torch.Tensor
+    media: dict
+    shares: dict
+    tokens: int
 
 
 @dataclass(frozen=True)
@@ -166,15 +181,24 @@ class ParallelPlan:
         self._experts = {n: p for n, p in model.named_parameters() if id(p) in ids}
         return set(self._experts.values())
 
-    def loss(self, model, batch: dict, mtp_weight: float) -> StepLoss:
+    def place(self, batch: dict) -> PlacedBatch:
+        """This rank's slice of a packed global batch on its device (pinned, non-blocking copies; cu_seqlens' host
+        values go with it, so no layer reads it back)."""
         ids, cu, labels, shares = rank_slice(batch, self.slice, self.batch_slices)
-        # pinned, non-blocking copies; cu_seqlens' host values go with it, so no layer reads it back
         ids, cu = place_tokens(ids, self.device), place_cu_seqlens(cu, self.device)
         labels = ids if labels is None else place_tokens(labels, self.device)  # fine-tuning: -100 = no target
+        return PlacedBatch(ids, cu, labels, media_inputs(batch, self.device), shares, batch["input_ids"].numel())
+
+    def loss(self, model, batch: dict, mtp_weight: float) -> StepLoss:
+        return self.placed_loss(model, self.place(batch), mtp_weight)
+
+    def placed_loss(self, model, placed: PlacedBatch, mtp_weight: float) -> StepLoss:
+        """``loss`` of a batch already ``place``d: only device work (what a CUDA graph of the step records)."""
+        ids, cu, labels, shares = placed.input_ids, placed.cu_seqlens, placed.labels, placed.shares
         C = self.dims.cp
         if C == 1:
             out = model(ids, cu_seqlens=cu, labels=labels, mtp_weight=mtp_weight, return_logits=False,
-                        **media_inputs(batch, self.device))
+                        **placed.media)
             lm, mtp = out["lm_loss"], out.get("mtp_loss")
         else:
             T = ids.shape[1]
@@ -184,10 +208,10 @@ class ParallelPlan:
             lm, mtp = cp_loss(ids, cu, start, end, self.cp_group, mtp=bool(mtp_weight), labels_global=labels)
         lm = lm * (C * shares[1])  # exactly lm in one process (C = 1, shares 1.0)
         if mtp is None:
-            return StepLoss(lm, self.mean(lm.detach()), None, batch["input_ids"].numel())
+            return StepLoss(lm, self.mean(lm.detach()), None, placed.tokens)
         mtp = mtp * (C * shares[2])
         logged = self.mean(torch.stack([lm.detach(), mtp.detach()]))
-        return StepLoss(lm + mtp_weight * mtp, logged[0], logged[1], batch["input_ids"].numel())
+        return StepLoss(lm + mtp_weight * mtp, logged[0], logged[1], placed.tokens)
 
     def mean(self, x: torch.Tensor) -> torch.Tensor:
         if self.world == 1:

@@ -14,7 +14,7 @@ import torch
 
 __all__ = ["pack_sequences", "unpack_sequences", "document_ids", "same_document", "length_groups", "PaddedRows",
            "GroupedDocuments", "padded_documents", "grouped_documents", "cached_plan", "place_cu_seqlens",
-           "known_host_values", "document_offsets", "GROUP_OVERHEAD"]
+           "known_host_values", "plans_of", "document_offsets", "GROUP_OVERHEAD"]
 
 # a padded group's fixed cost in token^2 (gather, attention call, scatter), against count x longest^2 for its work
 GROUP_OVERHEAD = 512 ** 2
@@ -203,6 +203,12 @@ def cached_plan(cu_seqlens: torch.Tensor, key, build):
         plan = build(host)
         _store(cu_seqlens, key, plan)
     return plan
+
+
+def plans_of(cu_seqlens: torch.Tensor) -> list:
+    """Every plan ``cached_plan`` holds for this tensor (its host values included): what a CUDA graph that read
+    them keeps alive."""
+    return [value for ref, version, _, value in _PLANS if ref() is cu_seqlens and version == cu_seqlens._version]
 
 
 def place_cu_seqlens(cu_seqlens: torch.Tensor, device) -> torch.Tensor:

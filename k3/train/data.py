@@ -89,6 +89,7 @@ def prepare(cfg, run: Path, resume_from: Path | None, par) -> RunData:
     eos = eos_id(tok)
     train_ids, val_ids = encode_documents(tok, train_docs), encode_documents(tok, val_docs)
     _check_enough_tokens(cfg, sum(len(x) + 1 for x in train_ids if x), train_docs)  # + 1: each document's EOS
-    train_set = PackedDataset(train_ids, cfg.seq_len, eos, shuffle_seed=cfg.seed)
-    val_set = PackedDataset(val_ids, cfg.seq_len, eos, shuffle_seed=None, drop_last=False)
+    marked = cfg.packing == "documents"
+    train_set = PackedDataset(train_ids, cfg.seq_len, eos, shuffle_seed=cfg.seed, boundaries=marked)
+    val_set = PackedDataset(val_ids, cfg.seq_len, eos, shuffle_seed=None, drop_last=False, boundaries=marked)
     return RunData(tok, train_set, val_set, unigram_entropy(val_set.tokens))

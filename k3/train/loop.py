@@ -41,6 +41,7 @@ class TrainConfig:
     config: str | None = None  # an HF config.json; overrides preset
     data: str | None = None  # text file, directory or JSONL; None = the embedded standard-library corpus
     data_max_bytes: int | None = None  # cap on corpus bytes read (None = all)
+    packing: str = "documents"  # documents: each its own segment; stream: one segment per sample (k3.data.packing)
     doc_chars: int | None = None  # user text is cut at blank lines into documents of at most this many characters
     # (None = max(8192, 8 x seq_len)); the embedded corpus is one document per file
     tokenizer_bytes: int = 5_000_000  # bytes of training text the BPE is learned from
@@ -66,6 +67,7 @@ class TrainConfig:
     kda_backend: str = "auto"
     memory_policy: str = "keep"  # keep | efficient | offload | recompute (k3.train.memory)
     compile: bool = False  # regional torch.compile (k3.train.compile)
+    cuda_graph: bool = False  # each micro-batch's forward + backward replayed as one CUDA graph (k3.train.graph)
     val_fraction: float = 0.05
     stop_after: int | None = None  # stop (with a checkpoint) after this step; rerun the same command to resume
     dp: int = 1  # data-parallel ranks (FSDP2) when run under torchrun; batch_size is per rank
@@ -94,6 +96,9 @@ class TrainConfig:
         need(0 < self.val_fraction < 1, "val_fraction", "must be in (0, 1): training reports a validation loss")
         need(self.qk_clip_tau is None or self.qk_clip_tau > 0, "qk_clip_tau", "must be > 0 (None disables QK-clip)")
         need(self.balance in ("quantile", "sign", "none"), "balance", "must be quantile, sign or none")
+        need(self.packing in ("documents", "stream"), "packing", "must be documents or stream")
+        need(not (self.chat and self.packing == "stream"), "packing",
+             "must be documents for chat data (a stream would let one conversation attend to another)")
 
     @property
     def max_doc_chars(self) -> int:

@@ -39,7 +39,14 @@ class TrainingPlan(Protocol):
         """Lay the model out over the ranks (in place), before the optimiser is built."""
 
     def loss(self, model: nn.Module, batch: dict, mtp_weight: float) -> StepLoss:
-        """This rank's part of the loss of a packed global batch {"input_ids" [1,T], "cu_seqlens" [N+1]}."""
+        """This rank's part of the loss of a packed global batch {"input_ids" [1,T], "cu_seqlens" [N+1]}:
+        ``placed_loss(model, place(batch), mtp_weight)``."""
+
+    def place(self, batch: dict):
+        """This rank's slice of the batch on its device (host work and copies only)."""
+
+    def placed_loss(self, model: nn.Module, placed, mtp_weight: float) -> StepLoss:
+        """The loss of a ``place``d batch: device work only (what ``k3.train.graph`` captures)."""
 
     def reduce_grads(self, model: nn.Module) -> None:
         """After the micro-batches' backwards: finish turning every gradient into the global batch's."""

@@ -34,7 +34,8 @@ TRAINER_FILES = ("tokenizer.json", "trainer_state.pt", "train_config.json")
 # (--steps may change: see k3.train.schedule)
 FIXED_ON_RESUME = ("preset", "config", "data", "data_max_bytes", "doc_chars", "val_fraction", "vocab_size", "seq_len",
                    "batch_size", "grad_accum", "lr", "weight_decay", "warmup_frac", "min_lr_ratio", "balance", "seed",
-                   "vision")
+                   "vision", "packing")
+OLDER_DEFAULTS = {"packing": "documents"}  # what a run saved before the setting existed ran with
 
 
 def rng_state() -> dict:
@@ -122,6 +123,7 @@ def check_resumable(ckpt: Path, train_config: dict, verify: bool = True) -> tupl
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{ckpt / 'train_config.json'} could not be read ({e}); the checkpoint is "
                               "incomplete or corrupt") from None
+    saved = {**OLDER_DEFAULTS, **saved}
     changed = [f"--{k.replace('_', '-')} {saved.get(k)} (now {train_config[k]})" for k in FIXED_ON_RESUME
                if saved.get(k) != train_config[k]]
     if changed:

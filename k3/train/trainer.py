@@ -26,6 +26,7 @@ from ..config import K3Config
 from ..model.transformer import K3ForCausalLM
 from .balance import ExpertBalancer
 from .compile import compile_model
+from .graph import StepGraph, graph_unsupported
 from .memory import ActivationManager
 from .optim import build_optimizer
 from .plan import StepLoss
@@ -61,6 +62,9 @@ class Trainer:
             raise ValueError("--memory-policy recompute (whole layers) does not apply under --cp, whose layers run "
                              "through the context-parallel view; use --memory-policy efficient or offload there")
         self.memory = ActivationManager(cfg.memory_policy)
+        if cfg.cuda_graph and (why := graph_unsupported(plan.device, plan.world, self.memory.policy)) is not None:
+            raise ValueError(f"--cuda-graph: {why}")
+        self.graph = None  # the step's StepGraph (k3.train.graph), captured on the first step under --cuda-graph
         self.memory.attach(model)
         if cfg.compile:
             compile_model(model)
@@ -92,16 +96,30 @@ class Trainer:
     def step(self, micro_batches: Sequence[dict], loss_fn: Callable[..., StepLoss] | None = None,
              measure: bool = False) -> dict:
         """One optimiser step over ``micro_batches`` (gradients accumulated, each micro-batch's loss divided by
-        their number). ``measure``: record what the first micro-batch's forward saved for the backward."""
+        their number). ``measure``: record what the first micro-batch's forward saved for the backward (under
+        ``cuda_graph``: what the capture's warm-up forward saved, the same layout's). Under ``cfg.cuda_graph`` the
+        micro-batches' forwards and backwards are replays of one captured graph (``k3.train.graph``)."""
+        graphed = self.cfg.cuda_graph
+        if graphed and loss_fn is not None:
+            raise ValueError("--cuda-graph captures the default loss only (a caller's loss function may read the "
+                             "device or change with the step): leave loss_fn out or drop --cuda-graph")
         loss_fn = loss_fn or self.default_loss
         model, n = self.model, len(micro_batches)
+        if graphed and self.graph is None:
+            self.graph = StepGraph(model, self.plan, self.memory, self.cfg.mtp_weight, n)
+        if graphed and n != self.graph.micro_batches:
+            raise ValueError(f"--cuda-graph: this step has {n} micro-batches, the captured step "
+                             f"{self.graph.micro_batches}; keep --grad-accum fixed")
         loss_sum, mtp_sum, first_saved = 0.0, 0.0, None
         for i, batch in enumerate(micro_batches):
-            with self.amp, self.memory.forward(measure=measure and i == 0) as saved:
-                loss, lm, mtp, tokens = loss_fn(model, batch)
-            if i == 0:
-                first_saved = saved
-            (loss / n).backward()
+            if graphed:
+                lm, mtp, tokens = self.graph.run(batch, i)
+            else:
+                with self.amp, self.memory.forward(measure=measure and i == 0) as saved:
+                    loss, lm, mtp, tokens = loss_fn(model, batch)
+                if i == 0:
+                    first_saved = saved.kept_bytes
+                (loss / n).backward()
             loss_sum += lm / n
             mtp_sum += (mtp if mtp is not None else 0.0) / n
             if self.balancer is not None:
@@ -113,7 +131,8 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if not graphed:  # a graph's gradients are its own memory, written afresh by every replay
+            self.optimizer.zero_grad(set_to_none=True)
         # one read of the device per step, once the optimizer's kernels are queued behind the backward's (a read
         # before them would leave the device idle while the host launches them); a non-finite loss stops the run
         # before anything of this step is saved
@@ -127,7 +146,7 @@ class Trainer:
         self.step_count += 1
         rec = {"step": self.step_count, "loss": loss_sum, "lr": lr, "tokens": self.tokens, "grad_norm": grad_norm}
         if measure:  # what the first micro-batch's forward left for its backward on the device (k3.train.memory)
-            rec["saved_activation_bytes"] = first_saved.kept_bytes
+            rec["saved_activation_bytes"] = self.graph.saved_activation_bytes if graphed else first_saved
         if mtp_sum:
             rec["mtp_loss"] = mtp_sum
         if load is not None:

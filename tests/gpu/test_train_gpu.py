@@ -165,3 +165,86 @@ def test_batched_newton_schulz_in_bf16_matches_one_call_per_matrix():
     batched = newton_schulz(G)
     for i in range(G.shape[0]):
         assert_close(f"matrix {i}", newton_schulz(G[i]), batched[i], 1e-2)
+
+
+# ---------------------------------------------------------------- the step as a CUDA graph (k3.train.graph)
+
+UNIFORM_CU = torch.arange(0, 4097, 1024)  # four documents of 1024 tokens: a layout every batch can share
+
+
+def uniform_batch(seed: int, vocab: int = CFG.vocab_size) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(0, vocab, (1, 4096), generator=g), "cu_seqlens": UNIFORM_CU.clone()}
+
+
+def test_graph_replay_gives_the_eager_gradients():
+    """StepGraph's replays against eager forwards and backwards of the same weights: one micro-batch and two
+    accumulated, on the variant with dense FFNs (no router near-ties, see test_compiled_regions_match_eager), with
+    QK-clip's max logit left on the layers as an eager forward leaves it; a batch of another layout is refused."""
+    from k3.layers.sequence.mla import GatedMLA
+    from k3.train.graph import StepGraph
+    from k3.train.memory import ActivationManager
+    from k3.train.qk_clip import enable_max_logit_tracking
+
+    cfg = CFG.replace(first_k_dense_replace=CFG.num_hidden_layers)
+    torch.manual_seed(0)
+    model = K3ForCausalLM(cfg).cuda().train()
+    enable_max_logit_tracking(model)
+    memory = ActivationManager("efficient")
+    memory.attach(model)
+    plan = one_process()
+    mlas = [m for m in model.modules() if isinstance(m, GatedMLA)]
+    for n in (1, 2):
+        batches = [uniform_batch(10 * n + i) for i in range(n)]
+        model.zero_grad(set_to_none=True)
+        for m in mlas:
+            m.max_logit = None
+        eager_loss = 0.0
+        for b in batches:
+            with torch.autocast("cuda", dtype=torch.bfloat16), memory.forward(measure=False):
+                out = plan.loss(model, b, 0.3)
+            (out.loss / n).backward()
+            eager_loss += out.lm_loss.float() / n
+        eager = {k: p.grad.float().clone() for k, p in model.named_parameters() if p.grad is not None}
+        eager_max = [m.max_logit.clone() for m in mlas]
+        model.zero_grad(set_to_none=True)
+        for m in mlas:
+            m.max_logit = None
+        graph = StepGraph(model, plan, memory, 0.3, n)
+        for _ in range(2):  # the capturing call, then a plain replay
+            for m in mlas:
+                m.max_logit = None
+            loss = sum(graph.run(b, i)[0].float() / n for i, b in enumerate(batches))
+            torch.testing.assert_close(loss, eager_loss, atol=1e-3, rtol=1e-3)
+            for k, g in eager.items():
+                assert_close(f"{n} micro-batches: {k}", g, dict(model.named_parameters())[k].grad.float(), 1e-2)
+            for m, ref in zip(mlas, eager_max):
+                torch.testing.assert_close(m.max_logit, ref, atol=1e-2, rtol=1e-2)
+        with pytest.raises(ValueError, match="layout"):
+            graph.run({"input_ids": batches[0]["input_ids"], "cu_seqlens": torch.tensor([0, 2048, 4096])}, 0)
+        del graph
+        model.zero_grad(set_to_none=True)
+
+
+def test_graphed_training_follows_the_eager_run():
+    """Trainer with cuda_graph on the MoE model (Quantile Balancing reading the replayed routing, QK-clip, Muon):
+    four steps from the same weights and batches as the eager Trainer, the same losses to bf16 noise (router
+    near-ties make two eager runs differ by as much) and the same expert loads."""
+    from k3.distributed.plan import ParallelDims, ParallelPlan
+    from k3.train.loop import TrainConfig
+    from k3.train.trainer import Trainer
+
+    runs = {}
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        model = K3ForCausalLM(CFG).cuda()
+        cfg = TrainConfig(out="-", steps=100, lr=1e-3, warmup_frac=0.0, cuda_graph=graphed)
+        trainer = Trainer(cfg, ParallelPlan(ParallelDims(), device="cuda"), model, log=lambda *a: None)
+        runs[graphed] = [trainer.step([uniform_batch(s)], measure=s == 3) for s in range(4)]
+        del trainer, model
+        torch.cuda.empty_cache()
+    for e, g in zip(runs[False], runs[True]):
+        assert abs(e["loss"] - g["loss"]) < 2e-2 * e["loss"], (e["loss"], g["loss"])
+        assert abs(e["load_max_over_mean"] - g["load_max_over_mean"]) < 0.25 * e["load_max_over_mean"]
+    assert runs[True][-1]["loss"] < runs[True][0]["loss"]
+    assert runs[True][3]["saved_activation_bytes"] == runs[False][3]["saved_activation_bytes"]

@@ -51,7 +51,7 @@ def test_stream_packing_is_one_segment_per_sample_over_the_same_tokens():
     stream = PackedDataset(docs, 4, eos_id=1, shuffle_seed=None, boundaries=False)
     assert len(stream) == len(marked) == 3  # 15 stream tokens
     for i in range(len(stream)):
-        (ia, ca), (ib, cb) = marked.sample(i), stream.sample(i)
+        (ia, _), (ib, cb) = marked.sample(i), stream.sample(i)
         assert torch.equal(ia, ib) and cb.tolist() == [0, 4]
     assert marked.sample(0)[1].tolist() == [0, 4]  # [5 6 7 EOS]
     assert marked.sample(1)[1].tolist() == [0, 3, 4]  # [8 9 EOS | 10]

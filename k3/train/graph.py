@@ -97,7 +97,7 @@ class StepGraph:
         self.graph.replay()
         self._restore_side_outputs()
         self._accumulate(index)
-        return self.out.lm_loss, self.out.mtp_loss, self.out.tokens
+        return self.out
 
     # -------------------------------------------------------------- capture
 
@@ -133,7 +133,8 @@ class StepGraph:
         if built:
             raise RuntimeError(f"{len(built)} cu_seqlens plan(s) were built during capture (a host copy a replay would "
                                "repeat from freed memory); every plan must be built by the warm-up")
-        self.graph, self.captured_layout, self.out = graph, key, out
+        self.graph, self.captured_layout = graph, key
+        self.out = (out.lm_loss, out.mtp_loss, out.tokens)  # the graph's outputs, rewritten by every replay
         self._plans = plans  # the device tensors the graph reads, alive as long as it is
         self.grads = [p.grad for p in params if p.grad is not None]
         self._side = self._side_outputs()

@@ -11,9 +11,9 @@ chosen ``--memory-policy`` and ``--compile`` (regional). ``--docs``: "uniform" p
 exactly ``--seq-len`` tokens per step (the kernels' best case); "corpus" feeds what `k3 train` feeds: the embedded
 standard-library corpus through k3's own pipeline (a byte-level BPE of ``--vocab-size`` learned on its first 2 MB,
 documents packed into samples of ``--seq-len`` tokens, ``--batch`` samples per step, a new batch every step);
-"stream" the same corpus as `k3 train --packing stream` packs it (each sample one segment: a fixed layout).
-``--cuda-graph``: the uniform and stream rows replay the step's forward and backward as one CUDA graph
-(`k3 train --cuda-graph`, k3.train.graph); corpus rows, whose layout changes every step, stay eager.
+"stream" the same corpus as `k3 train --packing stream` packs it (each sample one segment).
+``--cuda-graph``: every K3 row replays the step's forward and backward as one CUDA graph (`k3 train --cuda-graph`,
+k3.train.graph; the corpus's boundaries are data in the graph's buffers).
 
 Peer rows ("dense"): plain PyTorch written here, the model a K3 row would be without its mechanisms, at the same
 width and depth: pre-norm RMSNorm, causal SDPA attention (head dim 64, or 128 from hidden 2048 up), SwiGLU MLP of
@@ -296,11 +296,11 @@ def k3_rows(preset: str, cfg: K3Config, args, batches=None, kind: str = "uniform
 
 def k3_row(preset: str, cfg: K3Config, args, policy: str, batches=None, kind: str = "uniform") -> dict:
     """One K3 row: ``batches`` (endless packed batches) or None for uniform documents; the step is `k3 train`'s
-    (``Trainer.step``), replayed as a CUDA graph with ``--cuda-graph`` where the layout is fixed (uniform, stream)."""
+    (``Trainer.step``), replayed as a CUDA graph with ``--cuda-graph``."""
     device = args.device
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg).to(device)
-    graphed = args.cuda_graph and kind != "corpus"
+    graphed = args.cuda_graph
     tcfg = TrainConfig(out="-", steps=1_000_000, lr=1e-3, warmup_frac=0.0, mtp_weight=0.3, qk_clip_tau=100.0,
                        kda_backend=args.kda_backend, memory_policy=policy, compile=args.compile, cuda_graph=graphed)
     trainer = Trainer(tcfg, ParallelPlan(ParallelDims(), device=device), model, log=lambda *a: None)
@@ -370,8 +370,8 @@ def main():
     ap.add_argument("--memory-policy", default="keep", help=f"one of {', '.join(sorted(POLICIES))}, or several "
                     "(comma-separated): each K3 row runs under the first whose step fits in memory")
     ap.add_argument("--compile", action="store_true", help="regional torch.compile for K3, whole-model for the peer")
-    ap.add_argument("--cuda-graph", action="store_true", help="K3's uniform and stream rows: the step's forward and "
-                    "backward replayed as one CUDA graph (k3 train --cuda-graph); corpus rows stay eager")
+    ap.add_argument("--cuda-graph", action="store_true", help="K3 rows: the step's forward and backward replayed as "
+                    "one CUDA graph (k3 train --cuda-graph)")
     ap.add_argument("--vocab-size", type=int, default=32768, help="--docs corpus: the BPE's size (k3 train's default)")
     ap.add_argument("--data-max-bytes", type=int, default=8_000_000, help="--docs corpus: bytes of the corpus")
     ap.add_argument("--peak-tflops", type=float, default=780.0, help="the device's bf16 peak for MFU")

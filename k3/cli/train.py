@@ -49,11 +49,11 @@ def add_train_arguments(p, defaults: TrainConfig) -> None:
                    help="regional torch.compile: each layer's FFN, AttnRes mixes and KDA output norm (first steps "
                    "compile; CPU needs a C compiler)")
     p.add_argument("--cuda-graph", action="store_true", default=d.cuda_graph,
-                   help="capture each micro-batch's forward + backward as one CUDA graph and replay it (one process, "
-                   "CUDA; every micro-batch must have the same layout: use with --packing stream)")
+                   help="capture the micro-batch's forward + backward as one CUDA graph and replay it every step (one "
+                   "process, CUDA; any document boundaries)")
     p.add_argument("--packing", choices=["documents", "stream"], default=d.packing,
                    help="documents: each document its own segment (attention and KDA state reset at its start); "
-                   "stream: samples of the EOS-separated stream as one segment each (a fixed layout)")
+                   "stream: samples of the EOS-separated stream as one segment each (GPT-style)")
     p.add_argument("--dp", type=positive_int, default=d.dp, help="data-parallel ranks (FSDP2); --batch-size is "
                    "per rank (per group of --cp ranks). Run under torchrun with --nproc_per_node = dp x cp x ep")
     p.add_argument("--cp", type=positive_int, default=d.cp, help="context-parallel ranks (KCP): each sequence is "

@@ -9,8 +9,7 @@ predicts across one. Labels are the input ids (the model shifts inside). The las
 
 ``boundaries=False`` (``k3 train --packing stream``) packs the same stream without marking documents: every sample
 is one segment (cu_seqlens [0, T]), attention and KDA's state cross documents with only the EOS between them, and
-every position but a sample's last is a target (GPT-style pretraining; torchtitan's default). Every batch then has
-the same layout, which a CUDA graph of the step (``--cuda-graph``) needs.
+every position but a sample's last is a target (GPT-style pretraining; torchtitan's default).
 
 Legend: T seq_len, B batch_size, N stream length, D documents, S segments in a sample or batch.
 """

@@ -14,7 +14,7 @@ import torch
 
 __all__ = ["pack_sequences", "unpack_sequences", "document_ids", "same_document", "length_groups", "PaddedRows",
            "GroupedDocuments", "padded_documents", "grouped_documents", "cached_plan", "place_cu_seqlens",
-           "known_host_values", "plans_of", "document_offsets", "GROUP_OVERHEAD"]
+           "known_host_values", "register_plans", "plans_of", "document_offsets", "GROUP_OVERHEAD"]
 
 # a padded group's fixed cost in token^2 (gather, attention call, scatter), against count x longest^2 for its work
 GROUP_OVERHEAD = 512 ** 2
@@ -203,6 +203,15 @@ def cached_plan(cu_seqlens: torch.Tensor, key, build):
         plan = build(host)
         _store(cu_seqlens, key, plan)
     return plan
+
+
+def register_plans(cu_seqlens: torch.Tensor, host, plans: dict) -> None:
+    """Give a cu_seqlens tensor its host values (``host``: what builders of other plans receive) and ready-made
+    ``plans`` by key, in place of what ``cached_plan`` would build: a CUDA graph's buffers, whose plans are device
+    tensors refreshed before each replay (``k3.train.graph``)."""
+    _store(cu_seqlens, _HOST, host)
+    for key, value in plans.items():
+        _store(cu_seqlens, key, value)
 
 
 def plans_of(cu_seqlens: torch.Tensor) -> list:

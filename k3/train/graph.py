@@ -1,40 +1,52 @@
-"""The training step's forward and backward as one CUDA graph (``k3 train --cuda-graph``): captured once for a
-micro-batch layout, then replayed, so the host issues one launch per micro-batch instead of the ~6,000 kernels
+"""The training step's forward and backward as one CUDA graph (``k3 train --cuda-graph``): captured once, then
+replayed for every micro-batch, so the host issues one launch per micro-batch instead of the ~6,000 kernels
 (fla's launchers, the compiled regions' guards, autograd's nodes) that bound a small model's step.
 
 What is recorded: ``plan.placed_loss`` of a placed micro-batch under autocast, and its backward (the activation
-memory policy's hooks included). What stays eager: the copy of each batch's tokens into the graph's input buffers,
+memory policy's hooks included). What stays eager: the copy of each batch into the graph's input buffers,
 gradient accumulation over micro-batches, clipping, the optimiser and the schedule (the learning rate is a Python
 number the optimiser reads each step), Quantile Balancing and QK-clip.
 
-The rules a replay depends on, checked here rather than assumed:
-  - the layout: every replayed micro-batch has the captured one's token shape and document boundaries (the layers
-    plan their kernels from cu_seqlens' host values, and fla's chunk lists, MLA's varlen call and the short conv's
-    tiles are sized by them); another layout is refused with what to change;
+Packed documents without a fixed layout. The layers plan their kernels from cu_seqlens (``k3.ops.varlen.
+cached_plan``), normally from its host values. Under a graph the boundaries are data instead: the graph is
+captured for a ``Capacity`` (the token shape and a number of document slots), and every plan a layer asks of the graph's cu_seqlens has a fixed shape and is refreshed in place before each replay
+(one pinned copy):
+  - cu_seqlens itself, padded with empty documents to the slots (fla's KDA builds its chunk list on the device
+    from it, ``use_graph``, in a fixed shape, skipping the spare rows);
+  - MLA's flash varlen call takes the row's length as its maximum (the spare documents and blocks exit at once);
+  - QK-clip's max-logit kernel reads each position's document start, [T];
+  - fla's short conv reads its (document, tile) list, [ceil(T/64) + slots - 1, 2], the spare rows pointing at the
+    last slot, always empty (a tile of an empty document writes nothing and adds 0 to the weight's gradient).
+A plan of any other kind would need host values the graph does not have: the capture fails saying so. A micro-
+batch beyond the capacity (more documents, another token shape) is captured again, for a capacity that covers both
+(the slots only grow, so a run captures a few times at most).
+
+Other rules a replay depends on, checked here rather than assumed:
   - the gradients: captured with ``.grad`` None, the backward writes fresh gradients into the graph's memory on
     every replay (so they are never zeroed or set to None afterwards: the optimiser reads them there);
   - device work only: one process (no collectives), no offload policy (host copies), the default loss (a caller's
     own loss function may read the device), text batches;
   - what the forward leaves on modules for later eager code (QK-clip's ``max_logit``, the router's
     ``last_routing`` for balancing) is the graph's output memory: after each replay the modules get it back, the
-    max logit as the running maximum over the step's micro-batches as an eager forward would leave it;
-  - the plans the layers built from cu_seqlens (``k3.ops.varlen.cached_plan``) are device tensors the graph reads:
-    they are held here for the graph's lifetime, and capture fails if any had to be built (copied from the host)
-    during it.
+    max logit as the running maximum over the step's micro-batches, as an eager forward leaves it.
 
-One extra forward and backward runs once, eagerly on the capture stream before capturing (as PyTorch's whole-
-network capture does: lazy initialisation and autotuning outside the graph); its gradients are discarded. Memory:
-the graph keeps its activations' pool between steps, so the optimiser's temporaries come on top of the
+One extra forward and backward runs per capture, eagerly on the capture stream before capturing (as PyTorch's
+whole-network capture does: lazy initialisation and autotuning outside the graph); its gradients are discarded.
+Memory: the graph keeps its activations' pool between steps, so the optimiser's temporaries come on top of the
 activation peak instead of reusing it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 
 from ..ops import varlen
+from ..ops.short_conv import FLA_CHUNK
 
-__all__ = ["StepGraph", "graph_unsupported"]
+__all__ = ["StepGraph", "Capacity", "graph_unsupported", "layout", "device_plans"]
 
 _TEXT_KEYS = {"input_ids", "cu_seqlens", "labels"}
 
@@ -53,19 +65,116 @@ def graph_unsupported(device: torch.device, world: int, policy) -> str | None:
     return None
 
 
-def layout(batch: dict) -> tuple:
-    """What a graph's replay depends on in a host micro-batch: its tensors' shapes and dtypes and its document
-    boundaries."""
+def layout(batch: dict) -> tuple[tuple, list[int]]:
+    """(the shapes and dtypes of a host micro-batch's token tensors, its cu_seqlens as host integers)."""
     extra = set(batch) - _TEXT_KEYS
     if extra:
         raise ValueError(f"--cuda-graph captures text batches ({', '.join(sorted(_TEXT_KEYS))}); this one also has "
                          f"{sorted(extra)}: drop --cuda-graph for image batches")
-    shapes = tuple((k, tuple(batch[k].shape), batch[k].dtype) for k in sorted(batch))
-    return shapes, tuple(batch["cu_seqlens"].tolist())
+    shapes = tuple((k, tuple(batch[k].shape), batch[k].dtype) for k in sorted(batch) if k != "cu_seqlens")
+    return shapes, batch["cu_seqlens"].tolist()
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What one captured graph takes: ``shapes`` (``layout``'s), ``tokens`` the packed row's length and
+    ``documents`` slots in its cu_seqlens (the last always empty). A document may be as long as the row: MLA's
+    flash varlen call is sized for that (its spare blocks exit at once)."""
+
+    shapes: tuple
+    tokens: int
+    documents: int
+
+    @staticmethod
+    def covering(shapes: tuple, cu: list[int], before: Capacity | None = None) -> Capacity:
+        """The capacity for a batch, twice its documents (at least 16: room for later batches), that also covers
+        ``before`` when the shapes are the same."""
+        slots = max(16, _pow2(2 * len(cu)))
+        if before is not None and before.shapes == shapes:
+            slots = max(slots, before.documents)
+        return Capacity(shapes, cu[-1], slots)
+
+    def fits(self, shapes: tuple, cu: list[int]) -> bool:
+        return shapes == self.shapes and len(cu) <= self.documents
+
+    @property
+    def tiles(self) -> int:
+        """Rows of the short conv's (document, tile) list: enough for any cu_seqlens of ``documents`` slots."""
+        return -(-self.tokens // FLA_CHUNK) + self.documents - 1
+
+
+def device_plans(cap: Capacity, cu: list[int]) -> torch.Tensor:
+    """Host int64 [documents + 1 + tokens + 2 * tiles]: the padded cu_seqlens, each position's document start and the
+    short conv's (document, tile) rows of one batch, as the graph's buffers hold them (``_Buffers``)."""
+    T, S = cap.tokens, cap.documents
+    if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to the {T} packed tokens; got {cu[:8]}...")
+    cut = torch.tensor(cu, dtype=torch.long)
+    padded = torch.cat([cut, cut.new_full((S + 1 - len(cu),), T)])  # empty documents at the end
+    lens = cut.diff()
+    starts = torch.repeat_interleave(cut[:-1], lens)  # [T]
+    per_doc = -(-lens // FLA_CHUNK)  # tiles per document
+    doc = torch.repeat_interleave(torch.arange(len(lens)), per_doc)
+    first = torch.repeat_interleave(per_doc.cumsum(0) - per_doc, per_doc)
+    tiles = torch.full((cap.tiles, 2), 0, dtype=torch.long)
+    tiles[:, 0] = S - 1  # the spare rows: a tile of the last slot, which is always empty
+    tiles[:len(doc), 0], tiles[:len(doc), 1] = doc, torch.arange(len(doc)) - first
+    return torch.cat([padded, starts, tiles.flatten()])
+
+
+class _NoHostValues:
+    """The host values of a graph's cu_seqlens: there are none (they change with every replay). A layer that plans
+    from them has to get a device plan registered instead (``StepGraph``'s docstring)."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def _refuse(self, *_):
+        raise RuntimeError(f"a layer planned from the host values of cu_seqlens under --cuda-graph ({self.where}); "
+                           "under a graph they change with every replay: this plan needs a device form "
+                           "(k3.train.graph.device_plans)")
+
+    __iter__ = __getitem__ = __len__ = _refuse
+
+
+class _Buffers:
+    """The graph's input buffers on the device: the tokens (and labels), the padded cu_seqlens and the plans, the
+    latter in one int64 tensor filled by one pinned copy per replay."""
+
+    def __init__(self, cap: Capacity, placed, device):
+        T, S = cap.tokens, cap.documents
+        self.flat = torch.zeros(S + 1 + T + 2 * cap.tiles, dtype=torch.long, device=device)
+        self.cu = self.flat[:S + 1]
+        self.starts = self.flat[S + 1:S + 1 + T]
+        self.tiles = self.flat[S + 1 + T:].view(cap.tiles, 2)
+        self.input_ids = placed.input_ids.clone()
+        self.labels = self.input_ids if placed.labels is placed.input_ids else placed.labels.clone()
+        self.placed = dataclasses.replace(placed, input_ids=self.input_ids, labels=self.labels, cu_seqlens=self.cu)
+
+    def register_plans(self, cap: Capacity) -> None:
+        """The plans a layer asks of this cu_seqlens (``cached_plan``), in their device form."""
+        cu, dev = self.cu, self.cu.device
+        varlen.register_plans(cu, _NoHostValues("no host values"), {
+            ("longest",): (None, cap.tokens),  # MLA's flash varlen maximum (k3.layers.sequence.mla.attend_varlen)
+            ("starts", dev): self.starts,  # QK-clip's max-logit kernel (documents_max_logit)
+            ("fla_conv_tiles", dev): self.tiles,  # fla's short conv (k3.ops.short_conv._fla)
+        })
+
+    def fill(self, cap: Capacity, batch: dict, cu: list[int]) -> None:
+        host = device_plans(cap, cu)
+        self.flat.copy_(host.pin_memory(), non_blocking=True)
+        for src, dst in ((batch["input_ids"], self.input_ids), (batch.get("labels"), self.labels)):
+            if src is not None:
+                dst.copy_(src.pin_memory() if src.device.type == "cpu" else src, non_blocking=True)
 
 
 class StepGraph:
-    """One micro-batch's forward and backward, captured on the first ``run`` and replayed by the later ones.
+    """One micro-batch's forward and backward, captured on the first ``run`` (and again for a micro-batch beyond
+    its ``Capacity``) and replayed by the others.
 
     ``plan``: the run's (one-process) ``ParallelPlan``; ``memory``: the run's ``ActivationManager``;
     ``micro_batches``: how many micro-batches a step accumulates (each backward is of loss / micro_batches)."""
@@ -76,10 +185,10 @@ class StepGraph:
             raise ValueError(f"--cuda-graph: {why}")
         self.model, self.plan, self.memory = model, plan, memory
         self.mtp_weight, self.micro_batches = mtp_weight, micro_batches
-        self.graph = None
-        self.captured_layout = None
+        self.graph, self.capacity, self.captures = None, None, 0
         self.saved_activation_bytes = None  # what the (eager) warm-up forward left for its backward
         self._amp = torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
+        self._acc = None
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -87,13 +196,11 @@ class StepGraph:
 
     def run(self, batch: dict, index: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """Micro-batch ``index`` (0-based) of a step -> (its lm loss, MTP loss or None, tokens), its gradient (summed
-        with the step's earlier micro-batches') in the parameters' ``.grad``. Captures on the first call."""
-        key = layout(batch)
-        if self.graph is None:
-            self._capture(batch, key)
-        elif key != self.captured_layout:
-            raise ValueError(self._layout_error(key))
-        self._copy_inputs(batch)
+        with the step's earlier micro-batches') in the parameters' ``.grad``."""
+        shapes, cu = layout(batch)
+        if self.graph is None or not self.capacity.fits(shapes, cu):
+            self._capture(batch, Capacity.covering(shapes, cu, self.capacity))
+        self.buffers.fill(self.capacity, batch, cu)
         self.graph.replay()
         self._restore_side_outputs()
         self._accumulate(index)
@@ -101,23 +208,29 @@ class StepGraph:
 
     # -------------------------------------------------------------- capture
 
-    def _forward_backward(self, placed, measure: bool = False):
+    def _forward_backward(self, measure: bool = False):
         with self._amp, self.memory.forward(measure=measure) as saved:
-            out = self.plan.placed_loss(self.model, placed, self.mtp_weight)
+            out = self.plan.placed_loss(self.model, self.buffers.placed, self.mtp_weight)
         (out.loss / self.micro_batches).backward()
         return out, saved
 
-    def _capture(self, batch: dict, key: tuple) -> None:
+    def _capture(self, batch: dict, cap: Capacity) -> None:
         params = self.params
-        if any(p.grad is not None for p in params):
+        if self.graph is None and any(p.grad is not None for p in params):
             raise RuntimeError("StepGraph captures with every .grad None (the step's gradients are then the graph's "
                                "own memory); zero the gradients with set_to_none=True before the first replayed step")
-        self.static = self.plan.place(batch)
-        cu = self.static.cu_seqlens
+        self.graph = self.out = self._side = self.grads = self.buffers = None  # a recapture frees the old graph first
+        for p in params:
+            p.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        self.buffers = _Buffers(cap, self.plan.place(batch), self.plan.device)
+        self.buffers.fill(cap, batch, batch["cu_seqlens"].tolist())
+        self.buffers.register_plans(cap)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # the warm-up: autotuning, compilation, cuBLAS workspaces, the plans
-            _, saved = self._forward_backward(self.static, measure=True)
+        with torch.cuda.stream(stream):  # the warm-up: autotuning, compilation, cuBLAS workspaces
+            _, saved = self._forward_backward(measure=True)
         torch.cuda.current_stream().wait_stream(stream)
         self.saved_activation_bytes = saved.kept_bytes
         for p in params:
@@ -125,40 +238,23 @@ class StepGraph:
         self._clear_side_outputs()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the warm-up's activations back to the device for the graph's own pool
+        cu = self.buffers.cu
         plans = varlen.plans_of(cu)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            out, _ = self._forward_backward(self.static)
+            out, _ = self._forward_backward()
         built = [p for p in varlen.plans_of(cu) if not any(p is q for q in plans)]
         if built:
             raise RuntimeError(f"{len(built)} cu_seqlens plan(s) were built during capture (a host copy a replay would "
                                "repeat from freed memory); every plan must be built by the warm-up")
-        self.graph, self.captured_layout = graph, key
+        self.graph, self.capacity, self.captures = graph, cap, self.captures + 1
         self.out = (out.lm_loss, out.mtp_loss, out.tokens)  # the graph's outputs, rewritten by every replay
         self._plans = plans  # the device tensors the graph reads, alive as long as it is
         self.grads = [p.grad for p in params if p.grad is not None]
         self._side = self._side_outputs()
         self._clear_side_outputs()
-        self._acc = None
-
-    def _layout_error(self, key: tuple) -> str:
-        (shapes, cu), (shapes0, cu0) = key, self.captured_layout
-        what = f"shapes {shapes} against {shapes0}" if shapes != shapes0 else \
-            f"{len(cu) - 1} documents {list(cu[:6])}{'...' if len(cu) > 6 else ''} against {len(cu0) - 1} " \
-            f"{list(cu0[:6])}{'...' if len(cu0) > 6 else ''}"
-        return ("--cuda-graph replays the micro-batch layout it captured (token shape and document boundaries); this "
-                f"micro-batch's differs: {what}. Give every micro-batch the same layout (e.g. fixed-length documents) "
-                "or drop --cuda-graph")
 
     # -------------------------------------------------------------- replay
-
-    def _copy_inputs(self, batch: dict) -> None:
-        """The micro-batch's tokens (and labels) into the graph's input buffers: pinned, non-blocking copies (its
-        boundaries are the captured ones: ``layout`` checked them)."""
-        s = self.static
-        for src, dst in ((batch["input_ids"], s.input_ids), (batch.get("labels"), s.labels)):
-            if src is not None:
-                dst.copy_(src.pin_memory() if src.device.type == "cpu" else src, non_blocking=True)
 
     def _side_outputs(self) -> list[tuple]:
         from ..layers.sequence.mla import GatedMLA
@@ -200,4 +296,3 @@ class StepGraph:
             torch._foreach_add_(self._acc, self.grads)
         else:
             torch._foreach_add_(self.grads, self._acc)
-

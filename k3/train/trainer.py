@@ -145,6 +145,8 @@ class Trainer:
         load = self.balancer.step() if self.balancer is not None else None
         self.step_count += 1
         rec = {"step": self.step_count, "loss": loss_sum, "lr": lr, "tokens": self.tokens, "grad_norm": grad_norm}
+        if graphed:
+            rec["cuda_graph_captures"] = self.graph.captures
         if measure:  # what the first micro-batch's forward left for its backward on the device (k3.train.memory)
             rec["saved_activation_bytes"] = self.graph.saved_activation_bytes if graphed else first_saved
         if mtp_sum:

@@ -169,18 +169,21 @@ def test_batched_newton_schulz_in_bf16_matches_one_call_per_matrix():
 
 # ---------------------------------------------------------------- the step as a CUDA graph (k3.train.graph)
 
-UNIFORM_CU = torch.arange(0, 4097, 1024)  # four documents of 1024 tokens: a layout every batch can share
+LAYOUTS = [CU, torch.arange(0, 4097, 1024), torch.tensor([0, 4096]), torch.tensor([0, 3000, 3100, 4096]),
+           torch.cat([torch.arange(0, 4000, 100), torch.tensor([4096])])]  # the last: 41 documents, beyond 32 slots
 
 
-def uniform_batch(seed: int, vocab: int = CFG.vocab_size) -> dict:
+def batch_of(cu: torch.Tensor, seed: int, vocab: int = CFG.vocab_size) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"input_ids": torch.randint(0, vocab, (1, 4096), generator=g), "cu_seqlens": UNIFORM_CU.clone()}
+    return {"input_ids": torch.randint(0, vocab, (1, int(cu[-1])), generator=g), "cu_seqlens": cu.clone()}
 
 
-def test_graph_replay_gives_the_eager_gradients():
-    """StepGraph's replays against eager forwards and backwards of the same weights: one micro-batch and two
-    accumulated, on the variant with dense FFNs (no router near-ties, see test_compiled_regions_match_eager), with
-    QK-clip's max logit left on the layers as an eager forward leaves it; a batch of another layout is refused."""
+def test_graph_replays_give_the_eager_gradients_whatever_the_documents():
+    """StepGraph's replays against eager forwards and backwards of the same weights, micro-batch by micro-batch over
+    five document layouts (one graph for the first four: the boundaries are data; the fifth has more documents than
+    the capacity and is captured again), and two micro-batches accumulated; on the variant with dense FFNs (no
+    router near-ties, see test_compiled_regions_match_eager), with QK-clip's max logit left on the layers as an
+    eager forward leaves it."""
     from k3.layers.sequence.mla import GatedMLA
     from k3.train.graph import StepGraph
     from k3.train.memory import ActivationManager
@@ -194,42 +197,44 @@ def test_graph_replay_gives_the_eager_gradients():
     memory.attach(model)
     plan = one_process()
     mlas = [m for m in model.modules() if isinstance(m, GatedMLA)]
-    for n in (1, 2):
-        batches = [uniform_batch(10 * n + i) for i in range(n)]
+    params = dict(model.named_parameters())
+
+    def eager(batches):
         model.zero_grad(set_to_none=True)
         for m in mlas:
             m.max_logit = None
-        eager_loss = 0.0
+        loss = 0.0
         for b in batches:
             with torch.autocast("cuda", dtype=torch.bfloat16), memory.forward(measure=False):
                 out = plan.loss(model, b, 0.3)
-            (out.loss / n).backward()
-            eager_loss += out.lm_loss.float() / n
-        eager = {k: p.grad.float().clone() for k, p in model.named_parameters() if p.grad is not None}
-        eager_max = [m.max_logit.clone() for m in mlas]
+            (out.loss / len(batches)).backward()
+            loss += out.lm_loss.float() / len(batches)
+        grads = {k: p.grad.float().clone() for k, p in params.items() if p.grad is not None}
         model.zero_grad(set_to_none=True)
-        for m in mlas:
-            m.max_logit = None
+        return loss, grads, [m.max_logit.clone() for m in mlas]
+
+    for n, groups in ((1, [[cu] for cu in LAYOUTS]), (2, [[LAYOUTS[0], LAYOUTS[1]], [LAYOUTS[3], LAYOUTS[2]]])):
+        refs = [eager([batch_of(cu, 7 * j + i) for i, cu in enumerate(group)]) for j, group in enumerate(groups)]
         graph = StepGraph(model, plan, memory, 0.3, n)
-        for _ in range(2):  # the capturing call, then a plain replay
+        for j, (group, (ref_loss, ref_grads, ref_max)) in enumerate(zip(groups, refs)):
             for m in mlas:
                 m.max_logit = None
-            loss = sum(graph.run(b, i)[0].float() / n for i, b in enumerate(batches))
-            torch.testing.assert_close(loss, eager_loss, atol=1e-3, rtol=1e-3)
-            for k, g in eager.items():
-                assert_close(f"{n} micro-batches: {k}", g, dict(model.named_parameters())[k].grad.float(), 1e-2)
-            for m, ref in zip(mlas, eager_max):
-                torch.testing.assert_close(m.max_logit, ref, atol=1e-2, rtol=1e-2)
-        with pytest.raises(ValueError, match="layout"):
-            graph.run({"input_ids": batches[0]["input_ids"], "cu_seqlens": torch.tensor([0, 2048, 4096])}, 0)
+            loss = sum(graph.run(batch_of(cu, 7 * j + i), i)[0].float() / n for i, cu in enumerate(group))
+            where = f"{n} micro-batch(es), layout {j}"
+            torch.testing.assert_close(loss, ref_loss, atol=1e-3, rtol=1e-3, msg=where)
+            for k, g in ref_grads.items():
+                assert_close(f"{where}: {k}", g, params[k].grad.float(), 1e-2)
+            for m, ref in zip(mlas, ref_max):
+                torch.testing.assert_close(m.max_logit, ref, atol=1e-2, rtol=1e-2, msg=where)
+        assert graph.captures == (2 if n == 1 else 1), graph.captures
         del graph
         model.zero_grad(set_to_none=True)
 
 
 def test_graphed_training_follows_the_eager_run():
     """Trainer with cuda_graph on the MoE model (Quantile Balancing reading the replayed routing, QK-clip, Muon):
-    four steps from the same weights and batches as the eager Trainer, the same losses to bf16 noise (router
-    near-ties make two eager runs differ by as much) and the same expert loads."""
+    four steps over packed documents of changing layouts, from the same weights and batches as the eager Trainer:
+    the same losses to bf16 noise (router near-ties make two eager runs differ by as much) and expert loads."""
     from k3.distributed.plan import ParallelDims, ParallelPlan
     from k3.train.loop import TrainConfig
     from k3.train.trainer import Trainer
@@ -240,11 +245,11 @@ def test_graphed_training_follows_the_eager_run():
         model = K3ForCausalLM(CFG).cuda()
         cfg = TrainConfig(out="-", steps=100, lr=1e-3, warmup_frac=0.0, cuda_graph=graphed)
         trainer = Trainer(cfg, ParallelPlan(ParallelDims(), device="cuda"), model, log=lambda *a: None)
-        runs[graphed] = [trainer.step([uniform_batch(s)], measure=s == 3) for s in range(4)]
+        runs[graphed] = [trainer.step([batch_of(LAYOUTS[s], s)], measure=s == 3) for s in range(4)]
         del trainer, model
         torch.cuda.empty_cache()
     for e, g in zip(runs[False], runs[True]):
         assert abs(e["loss"] - g["loss"]) < 2e-2 * e["loss"], (e["loss"], g["loss"])
         assert abs(e["load_max_over_mean"] - g["load_max_over_mean"]) < 0.25 * e["load_max_over_mean"]
-    assert runs[True][-1]["loss"] < runs[True][0]["loss"]
-    assert runs[True][3]["saved_activation_bytes"] == runs[False][3]["saved_activation_bytes"]
+    assert runs[True][-1]["loss"] < runs[True][0]["loss"] and runs[True][-1]["cuda_graph_captures"] == 1
+    assert runs[True][3]["saved_activation_bytes"] > 0

@@ -11,7 +11,7 @@ import torch
 from k3 import K3Config, K3ForCausalLM
 from k3.data import PackedDataset
 from k3.distributed.plan import ParallelDims, ParallelPlan
-from k3.train.graph import graph_unsupported, layout
+from k3.train.graph import Capacity, device_plans, graph_unsupported, layout
 from k3.train.loop import TrainConfig, train
 from k3.train.memory import POLICIES
 from k3.train.metrics import read_metrics
@@ -34,15 +34,55 @@ def test_graphs_are_refused_where_a_replay_cannot_be_the_step():
         Trainer(dataclasses.replace(BASE, cuda_graph=True), ParallelPlan(ParallelDims(), "cpu"), model)
 
 
-def test_the_layout_is_shapes_and_boundaries_and_image_batches_are_refused():
+def test_a_capacity_covers_any_boundaries_up_to_its_slots_and_image_batches_are_refused():
     ids = torch.zeros(1, 8, dtype=torch.long)
-    a = layout({"input_ids": ids, "cu_seqlens": torch.tensor([0, 4, 8])})
-    assert a == layout({"input_ids": ids + 5, "cu_seqlens": torch.tensor([0, 4, 8])})  # new tokens: same graph
-    assert a != layout({"input_ids": ids, "cu_seqlens": torch.tensor([0, 3, 8])})
-    assert a != layout({"input_ids": ids, "cu_seqlens": torch.tensor([0, 4, 8]), "labels": ids})
-    assert a != layout({"input_ids": torch.zeros(1, 8, dtype=torch.int32), "cu_seqlens": torch.tensor([0, 4, 8])})
+    shapes, cu = layout({"input_ids": ids, "cu_seqlens": torch.tensor([0, 4, 8])})
+    assert cu == [0, 4, 8]
+    cap = Capacity.covering(shapes, cu)
+    assert (cap.tokens, cap.documents) == (8, 16)
+    assert cap.fits(*layout({"input_ids": ids + 5, "cu_seqlens": torch.tensor([0, 1, 2, 3, 8])}))  # boundaries: data
+    assert cap.fits(shapes, list(range(9)) + [8] * 7)  # 15 documents (the last of 16 slots stays empty)
+    assert not cap.fits(shapes, list(range(9)) + [8] * 8)
+    assert not cap.fits(*layout({"input_ids": ids, "cu_seqlens": torch.tensor([0, 4, 8]), "labels": ids}))
+    assert not cap.fits(*layout({"input_ids": ids.int(), "cu_seqlens": torch.tensor([0, 4, 8])}))
+    bigger = Capacity.covering(shapes, list(range(0, 9)) + [8] * 12, cap)  # 20 documents: recaptured for more
+    assert bigger.documents == 64 and Capacity.covering(shapes, cu, bigger).documents == 64  # slots only grow
     with pytest.raises(ValueError, match=r"\['media'\]: drop --cuda-graph"):
         layout({"input_ids": ids, "cu_seqlens": torch.tensor([0, 8]), "media": {}})
+
+
+def test_device_plans_are_the_host_plans_in_a_fixed_shape():
+    """The graph's buffers hold, for any boundaries, what the layers' own planners build from host values: the
+    padded cu_seqlens, each position's document start (QK-clip's kernel) and fla's short-conv tiles, the spare
+    rows on the always-empty last slot."""
+    from k3.layers.sequence.mla import _document_starts
+    from k3.ops.short_conv import FLA_CHUNK, _fla_tiles
+
+    T = 300
+    cap = Capacity((), T, 16)
+    for cu in ([0, T], [0, 64, 65, 200, T], [0, 10, 10, 129, T], list(range(0, T, 20)) + [T]):
+        flat = device_plans(cap, cu)
+        S = cap.documents
+        padded, starts, tiles = flat[:S + 1], flat[S + 1:S + 1 + T], flat[S + 1 + T:].view(-1, 2)
+        assert padded.tolist() == cu + [T] * (S + 1 - len(cu))
+        assert torch.equal(starts, _document_starts(cu, "cpu"))
+        real = _fla_tiles(cu, T, "cpu")
+        assert tiles.shape == (-(-T // FLA_CHUNK) + S - 1, 2)
+        assert torch.equal(tiles[:len(real)], real)
+        assert (tiles[len(real):, 0] == S - 1).all() and padded[S - 1] == padded[S] == T  # spare rows: empty slot
+    with pytest.raises(ValueError, match="rise from 0 to the 300"):
+        device_plans(cap, [0, 100])
+
+
+def test_a_layer_planning_from_host_values_under_a_graph_is_named():
+    from k3.ops.varlen import cached_plan, register_plans
+    from k3.train.graph import _NoHostValues
+
+    cu = torch.tensor([0, 4, 8])
+    register_plans(cu, _NoHostValues("no host values"), {("longest",): (None, 8)})
+    assert cached_plan(cu, ("longest",), lambda h: 1 / 0) == (None, 8)
+    with pytest.raises(RuntimeError, match="planned from the host values of cu_seqlens under --cuda-graph"):
+        cached_plan(cu, ("mla", 1.0, "cpu"), lambda h: max(h))
 
 
 def test_stream_packing_is_one_segment_per_sample_over_the_same_tokens():

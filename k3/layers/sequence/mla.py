@@ -266,8 +266,9 @@ def _positions(B, T, cu_seqlens, device):
     pos = torch.arange(T, device=device)
     if cu_seqlens is not None:
         cu = cu_seqlens.to(device)
-        inner, keep = cu[1:-1], cu[1:-1] < T
-        starts = torch.zeros(T, dtype=torch.long, device=device)
-        starts.index_add_(0, inner[keep], (inner - cu[:-2])[keep])  # each boundary adds its previous doc's length
-        pos = pos - starts.cumsum(0)
+        inner = cu[1:-1]
+        starts = torch.zeros(T + 1, dtype=torch.long, device=device)  # slot T takes boundaries at or past the end
+        # each boundary adds its previous doc's length (no boolean mask: it would wait for the GPU)
+        starts.index_add_(0, inner.clamp(max=T), inner - cu[:-2])
+        pos = pos - starts[:T].cumsum(0)
     return pos[None].expand(B, T)

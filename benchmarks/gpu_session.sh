@@ -3,7 +3,7 @@
 # cannot eat the others. Results land in $OUT, packed at the end into $OUT/gpu_session.tgz (JSON + logs) and
 # $OUT/autotune.tgz (fla's Triton autotuning results: extract into .tcache/ and carry it next time to skip it).
 #   usage (device tool, carrying .whl with fla-core, and .tcache if you have one): bash benchmarks/gpu_session.sh [steps...]
-#   one GPU:  tests serve decode train trainc profile memory cp kda kdadec attnres muon packed quant qdecode post
+#   one GPU:  tests serve decode train trainc ktrain profile memory cp kda kdadec attnres muon packed quant qdecode post
 #             (default: tests serve train cp)
 #   2+ GPUs:  nccl flacp kcp scale             (the distributed suite over NCCL, fla CP vs KCP, multi-GPU throughput)
 #   T_TESTS=300 etc. (T_<STEP>, upper case) override a step's limit in seconds.
@@ -12,7 +12,7 @@
 #   under keep when it fits, else efficient).
 #   DECODE_ARGS adds bench_decode arguments (e.g. --sections k3,ttft,peer --batches 1,32); QUANT_ARGS adds
 #   bench_quant arguments (e.g. --decode-presets small,medium); POST_ARGS replaces post's sizes (post_demo arguments);
-#   MEMORY_ARGS replaces memory's batch and length (bench_memory arguments).
+#   MEMORY_ARGS replaces memory's batch and length (bench_memory arguments); KTRAIN_ARGS ktrain's steps and flags.
 set -u
 OUT=${OUT:-/tmp/k3-gpu}
 mkdir -p "$OUT/logs"
@@ -48,6 +48,10 @@ for s in $steps; do
     train)  timeout ${T_TRAIN:-590} python3 benchmarks/bench_train.py --json "$L/bench_train.json" 2>&1 | tee "$L/bench_train.log" ;;
     # the same with regional torch.compile (the peer whole-model), each row under keep if it fits, else efficient
     trainc) timeout ${T_TRAINC:-590} python3 benchmarks/bench_train.py --compile ${TRAIN_ARGS:---memory-policy keep,efficient} --json "$L/bench_train_compile.json" 2>&1 | tee "$L/bench_train_compile.log" ;;
+    # `k3 train` itself on the embedded corpus at the benchmark's size (KTRAIN_ARGS replaces its steps and flags),
+    # its metrics.jsonl kept: the tokens/s it logs against bench_train's corpus row
+    ktrain) timeout ${T_KTRAIN:-420} python3 -m k3 train --preset small --compile --seq-len 4096 --batch-size 8 --vocab-size 32768 --data-max-bytes 3000000 --log-every 5 --save-every 1000 --out /tmp/k3-ktrain ${KTRAIN_ARGS:---steps 30 --cuda-graph} 2>&1 | tee "$L/k3_train.log"
+            cp /tmp/k3-ktrain/metrics.jsonl "$L/k3_train_metrics.jsonl" 2>/dev/null ;;
     # one profiled step per row: top kernels and the device's idle gaps, into logs/profile/
     profile) timeout ${T_PROFILE:-590} python3 benchmarks/bench_train.py --steps 3 --profile "$L/profile" --json "$L/bench_train_profile.json" 2>&1 | tee "$L/bench_train_profile.log" ;;
     # peak memory per activation policy, medium at 2 x 4096 tokens (at 8 x 4096 eager layers fit neither keep nor
@@ -80,7 +84,7 @@ for s in $steps; do
     flacp)  timeout ${T_FLACP:-420} python3 -m pytest -q -s -p no:cacheprovider -W ignore tests/gpu/test_fla_cp.py 2>&1 | tee "$L/fla_cp_test.log" ;;
     kcp)    for r in 1 $NGPU; do timeout ${T_KCP:-300} $TR $r benchmarks/bench_kcp.py --json "$L/bench_kcp_r$r.json" 2>&1 | tee "$L/bench_kcp_r$r.log"; done ;;
     scale)  timeout ${T_SCALE:-540} python3 benchmarks/bench_scale.py --gpus $NGPU --json "$L/bench_scale.json" 2>&1 | tee "$L/bench_scale.log" ;;
-    *) echo "unknown step $s (tests serve decode train trainc profile memory cp kda kdadec attnres muon packed quant qdecode post nccl flacp kcp scale)"; exit 2 ;;
+    *) echo "unknown step $s (tests serve decode train trainc ktrain profile memory cp kda kdadec attnres muon packed quant qdecode post nccl flacp kcp scale)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/gpu_session.tgz" -C "$OUT" logs && rm -rf "$L"

@@ -30,8 +30,9 @@ Other rules a replay depends on, checked here rather than assumed:
     ``last_routing`` for balancing) is the graph's output memory: after each replay the modules get it back, the
     max logit as the running maximum over the step's micro-batches, as an eager forward leaves it.
 
-One extra forward and backward runs per capture, eagerly on the capture stream before capturing (as PyTorch's
-whole-network capture does: lazy initialisation and autotuning outside the graph); its gradients are discarded.
+Two extra forwards and backwards run per capture, eagerly on the capture stream before capturing (the first
+measures what the policy saves, through hooks the compiled regions are guarded on; the second is the captured code) (as PyTorch's whole-network capture does: lazy initialisation, autotuning and compilation outside the graph);
+their gradients are discarded.
 Memory: the graph keeps its activations' pool between steps, so the optimiser's temporaries come on top of the
 activation peak instead of reusing it.
 """
@@ -230,12 +231,14 @@ class StepGraph:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # the warm-up: autotuning, compilation, cuBLAS workspaces
-            _, saved = self._forward_backward(measure=True)
+            for measure in (True, False):  # the measuring hooks, then the captured code exactly (compiled regions
+                _, saved = self._forward_backward(measure=measure)  # are guarded on the hooks: each compiles here)
+                if measure:
+                    self.saved_activation_bytes = saved.kept_bytes
+                for p in params:
+                    p.grad = None
+                self._clear_side_outputs()
         torch.cuda.current_stream().wait_stream(stream)
-        self.saved_activation_bytes = saved.kept_bytes
-        for p in params:
-            p.grad = None
-        self._clear_side_outputs()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the warm-up's activations back to the device for the graph's own pool
         cu = self.buffers.cu

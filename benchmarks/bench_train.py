@@ -306,7 +306,7 @@ def k3_row(preset: str, cfg: K3Config, args, policy: str, batches=None, kind: st
     trainer = Trainer(tcfg, ParallelPlan(ParallelDims(), device=device), model, log=lambda *a: None)
     B, T = args.batch, args.seq_len
     uniform = {"input_ids": torch.randint(0, cfg.vocab_size, (1, B * T)), "cu_seqlens": torch.arange(0, B * T + 1, T)}
-    docs, sq, load, captures = [], [], [], [0]
+    docs, sq, load = [], [], []
 
     def step():
         batch = next(batches) if batches is not None else uniform
@@ -315,13 +315,12 @@ def k3_row(preset: str, cfg: K3Config, args, policy: str, batches=None, kind: st
         sq.append(float(cu.diff().double().pow(2).sum()))
         rec = trainer.step([batch])
         load.append(rec["load_max_over_mean"])  # the worst layer's routed-token max/mean
-        captures[:] = [rec.get("cuda_graph_captures", 0)]
         return rec["loss"]
 
     each, loss, slow = timed(step, args.warmup, args.steps, device)
     n = args.steps
     row = row_stats(preset, f"k3 {preset}", kind, each, B * T, k3_flops(cfg, B * T, sum(sq[-n:]) / n),
-                    args.peak_tflops * 1e12, device, memory_policy=policy, cuda_graph=graphed, graph_captures=captures[0],
+                    args.peak_tflops * 1e12, device, memory_policy=policy, cuda_graph=graphed, graph_captures=trainer.graph.captures if graphed else 0,
                     docs_per_step=sum(docs[-n:]) / n, loss=loss, load_max_over_mean=[round(x, 2) for x in load[-n:]],
                     **slow)
     if args.profile:

@@ -201,7 +201,7 @@ class StepGraph:
         with the step's earlier micro-batches') in the parameters' ``.grad``."""
         shapes, cu = layout(batch)
         if self.graph is None or not self.capacity.fits(shapes, cu):
-            self._capture(batch, Capacity.covering(shapes, cu, self.capacity))
+            self._capture(batch, cu, Capacity.covering(shapes, cu, self.capacity))
         self.buffers.fill(self.capacity, batch, cu)
         self.graph.replay()
         self._restore_side_outputs()
@@ -216,7 +216,7 @@ class StepGraph:
         (out.loss / self.micro_batches).backward()
         return out, saved
 
-    def _capture(self, batch: dict, cap: Capacity) -> None:
+    def _capture(self, batch: dict, cu: list[int], cap: Capacity) -> None:
         params = self.params
         if self.graph is None and any(p.grad is not None for p in params):
             raise RuntimeError("StepGraph captures with every .grad None (the step's gradients are then the graph's "
@@ -227,7 +227,7 @@ class StepGraph:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         self.buffers = _Buffers(cap, self.plan.place(batch), self.plan.device)
-        self.buffers.fill(cap, batch, batch["cu_seqlens"].tolist())
+        self.buffers.fill(cap, batch, cu)
         self.buffers.register_plans(cap)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -242,12 +242,11 @@ class StepGraph:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the warm-up's activations back to the device for the graph's own pool
-        cu = self.buffers.cu
-        plans = varlen.plans_of(cu)
+        plans = varlen.plans_of(self.buffers.cu)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             out, _ = self._forward_backward()
-        built = [p for p in varlen.plans_of(cu) if not any(p is q for q in plans)]
+        built = [p for p in varlen.plans_of(self.buffers.cu) if not any(p is q for q in plans)]
         if built:
             raise RuntimeError(f"{len(built)} cu_seqlens plan(s) were built during capture (a host copy a replay would "
                                "repeat from freed memory); every plan must be built by the warm-up")

@@ -26,7 +26,7 @@ from ..config import K3Config
 from ..model.transformer import K3ForCausalLM
 from .balance import ExpertBalancer
 from .compile import compile_model
-from .graph import StepGraph, graph_unsupported
+from .graph import StepGraph
 from .memory import ActivationManager
 from .optim import build_optimizer
 from .plan import StepLoss
@@ -62,9 +62,8 @@ class Trainer:
             raise ValueError("--memory-policy recompute (whole layers) does not apply under --cp, whose layers run "
                              "through the context-parallel view; use --memory-policy efficient or offload there")
         self.memory = ActivationManager(cfg.memory_policy)
-        if cfg.cuda_graph and (why := graph_unsupported(plan.device, plan.world, self.memory.policy)) is not None:
-            raise ValueError(f"--cuda-graph: {why}")
-        self.graph = None  # the step's StepGraph (k3.train.graph), captured on the first step under --cuda-graph
+        # the step as a CUDA graph (k3.train.graph), captured on the first step; refuses what it cannot replay
+        self.graph = StepGraph(model, plan, self.memory, cfg.mtp_weight, cfg.grad_accum) if cfg.cuda_graph else None
         self.memory.attach(model)
         if cfg.compile:
             compile_model(model)
@@ -105,8 +104,6 @@ class Trainer:
                              "device or change with the step): leave loss_fn out or drop --cuda-graph")
         loss_fn = loss_fn or self.default_loss
         model, n = self.model, len(micro_batches)
-        if graphed and self.graph is None:
-            self.graph = StepGraph(model, self.plan, self.memory, self.cfg.mtp_weight, n)
         if graphed and n != self.graph.micro_batches:
             raise ValueError(f"--cuda-graph: this step has {n} micro-batches, the captured step "
                              f"{self.graph.micro_batches}; keep --grad-accum fixed")

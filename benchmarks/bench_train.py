@@ -27,7 +27,8 @@ forward + backward = 3 x forward, per document (K3) or row (peer) of T tokens an
   causal softmax attention (K3's MLA, the peer):  3 * T^2 * H * (d_qk + d_v)     (2 FLOPs per MAC, half the pairs)
   KDA, chunked (chunk C = 64):                    3 * T * H * (4 * K * V + 2 * C * (K + V))
 Step time: each step ends with one read of the device (as `k3 train`); min / median / max over ``--steps``.
-Peak memory: ``torch.cuda.max_memory_allocated`` over the timed steps (CUDA).
+Peak memory: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over the timed steps (CUDA; a CUDA graph's
+pool counts only in the reserved figure).
 
 ``--profile DIR``: one more step per row under torch.profiler; DIR/<row>.txt holds the ops and kernels of most
 device time, the device's idle gaps between kernels (host-bound stretches), largest first, and the device time per
@@ -259,7 +260,8 @@ def row_stats(preset: str, name: str, docs: str, each: list[float], tokens: int,
     return {"preset": preset, "model": name, "docs": docs, "tokens_per_s": tokens / (med / 1e3),
             "mfu": flops / (med / 1e3) / peak if device == "cuda" else None,
             "step_ms": {"min": min(each), "median": med, "max": max(each)}, "each_step_ms": [round(x, 1) for x in each],
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None, **extra}
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if device == "cuda" else None, **extra}
 
 
 # ---------------------------------------------------------------- rows
@@ -410,7 +412,7 @@ def report(rows: list[dict], args) -> None:
     print(f"\n{args.batch} x {args.seq_len} tokens per step on {args.device}; compile {'on' if args.compile else 'off'}, "
           f"KDA backend {args.kda_backend}")
     print("| model | documents | memory policy | CUDA graph | docs/step | tokens/s | MFU | step min / median / max | "
-          "peak memory |")
+          "peak memory (allocated / reserved) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         oom = f" ({', '.join(r['oom_policies'])}: out of memory)" if r.get("oom_policies") else ""
@@ -419,7 +421,8 @@ def report(rows: list[dict], args) -> None:
             continue
         s = r["step_ms"]
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
-        mem = f"{r['peak_mem_gib']:.1f} GiB" if r["peak_mem_gib"] is not None else "-"
+        # under a CUDA graph the replays use the graph's own pool, which max_memory_allocated does not count
+        mem = f"{r['peak_mem_gib']:.1f} / {r['peak_reserved_gib']:.1f} GiB" if r["peak_mem_gib"] is not None else "-"
         docs = f"{r['docs_per_step']:.1f}" if "docs_per_step" in r else "-"
         graph = {True: "yes", False: "no"}.get(r.get("cuda_graph"), "-")
         print(f"| {r['model']} | {r['docs']} | {r.get('memory_policy', '-')}{oom} | {graph} | {docs} | "

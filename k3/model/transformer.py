@@ -13,7 +13,7 @@ from torch.utils import _pytree
 from ..config import K3Config
 from ..layers.depth.attn_res import DepthStream, PseudoQuery
 from ..layers.norm import RMSNorm
-from ..layers.regions import region
+from ..ops.linear_ce import linear_ce_sum
 from ..ops.varlen import document_ids, same_document
 from .block import DecoderLayer, _Query
 from .init import init_weights
@@ -161,8 +161,8 @@ class K3ForCausalLM(nn.Module):
         the config has MTP layers) and "lm_loss".
         With ``cu_seqlens`` (B = 1, packed documents) no position predicts across a document boundary.
 
-        ``return_logits=False`` (training): the losses only, computed ``loss_chunk`` tokens at a time with the head
-        recomputed in the backward, so no [B,T,V] logits (nor their fp32 copy and gradient) are ever held whole;
+        ``return_logits=False`` (training): the losses only, computed ``loss_chunk`` tokens at a time with their
+        gradients (``k3.ops.linear_ce``: the head's three GEMMs per chunk, in the forward), so no [B,T,V] logits (nor their fp32 copy and gradient) are ever held whole;
         the loss and every gradient equal the unchunked ones up to float summation order.
 
         ``inputs_embeds`` [B,T,D]: the trunk's input instead of embedding input_ids (which still name the tokens
@@ -224,26 +224,15 @@ def _shifted_ce(logits, labels, shift: int, cu_seqlens) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, V), tgt.reshape(-1), ignore_index=-100)
 
 
-def _chunk_ce_sum(head: nn.Module, hidden: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(head(hidden).float(), tgt, ignore_index=-100, reduction="sum")
-
-
-def chunked_head_ce_sum(head: nn.Module, hidden: torch.Tensor, tgt: torch.Tensor,
+def chunked_head_ce_sum(head: nn.Linear, hidden: torch.Tensor, tgt: torch.Tensor,
                         chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed CE fp32, number of counted targets) of head(hidden) [B,T,D] -> [B,T,V] against tgt [B,T] (-100
-    ignored), ``chunk`` tokens at a time; each chunk's logits are recomputed in the backward (activation
-    checkpointing), never stored whole."""
-    from torch.utils.checkpoint import checkpoint
-
-    h, t = hidden.reshape(-1, hidden.shape[-1]), tgt.reshape(-1)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for i in range(0, h.shape[0], chunk):
-        # the "lm_loss" region (compiled under --compile: the fp32 cast, log-softmax and gather as one reduction
-        # over the bf16 logits, one kernel for their gradient); the head and the CE draw no random numbers: no RNG
-        # state to save and restore around the recompute
-        total = total + checkpoint(region, "lm_loss", _chunk_ce_sum, head, h[i:i + chunk], t[i:i + chunk],
-                                   use_reentrant=False, preserve_rng_state=False)
-    return total, (t != -100).sum()
+    ignored), ``chunk`` tokens at a time, the gradients computed in the forward (``k3.ops.linear_ce``): the [B,T,V]
+    logits are never held whole, nor recomputed in the backward."""
+    if head.bias is not None:
+        raise ValueError("the chunked LM loss needs a head without bias (K3's lm_head has none)")
+    total = linear_ce_sum(hidden.reshape(-1, hidden.shape[-1]), head.weight, tgt.reshape(-1), chunk)
+    return total, (tgt != -100).sum()
 
 
 def _chunked_head_ce(head: nn.Module, hidden: torch.Tensor, tgt: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -1,0 +1,92 @@
+"""The LM head and its cross-entropy as one op whose gradient is computed in the forward (the training loss, SPEC §7).
+
+``linear_ce_sum(h, W, y, chunk)`` = sum over rows t with y_t != -100 of CE(h_t W^T, y_t), chunk by chunk of n rows:
+
+  z   = h W^T                                   [n,V]   GEMM 1 (bf16 under autocast, fp32 accumulation)
+  lse = log sum_v exp z_v                       (fp32)
+  L   = sum_t (lse_t - z_{t,y_t})               counted rows only
+  G   = softmax(z) - onehot(y)                  dL/dz, 0 on ignored rows
+  dh  = G W                                     [n,D]   GEMM 2
+  dW += G^T h                                   [V,D]   GEMM 3 (summed over chunks in fp32)
+
+The backward only scales dh and dW by the loss's incoming gradient (a scalar). Three GEMMs per chunk, where
+computing the chunk's logits under activation checkpointing takes four (forward, recompute, two gradients), and a
+chunk's [n,V] logits never outlive it (Liger-Kernel's fused linear cross-entropy does the same). The per-chunk
+math is the "lm_loss" region: plain torch ops, which ``k3 train --compile`` compiles (the fp32 cast, log-sum-exp,
+pick and softmax gradient as one reduction and one elementwise kernel beside cuBLAS's GEMMs).
+
+Equivalence (tests/ops/test_linear_ce.py): loss, dh and dW equal autograd through ``F.cross_entropy(h @ W.T,
+reduction="sum")`` to float rounding, at any chunk size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layers.regions import region
+
+__all__ = ["linear_ce_sum", "ce_chunk"]
+
+
+def ce_chunk(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, need_dh: bool, need_dw: bool):
+    """One chunk: (summed CE in fp32 or wider, dL/dh [n,D] or None, dL/dW [V,D] or None) for h [n,D], w [V,D] (one dtype),
+    y [n] (-100 ignored)."""
+    z = h @ w.t()
+    zf = z.to(torch.promote_types(z.dtype, torch.float32))  # fp32 (fp64 stays fp64)
+    lse = torch.logsumexp(zf, dim=-1)
+    counted = y != -100
+    y0 = torch.where(counted, y, 0)
+    picked = zf.gather(1, y0[:, None]).squeeze(1)
+    loss = torch.where(counted, lse - picked, 0.0).sum()
+    if not (need_dh or need_dw):
+        return loss, None, None
+    hit = torch.arange(zf.shape[1], device=zf.device)[None, :] == y0[:, None]
+    g = torch.exp(zf - lse[:, None]) - hit.to(zf.dtype)
+    g = torch.where(counted[:, None], g, 0.0).to(z.dtype)
+    return loss, g @ w if need_dh else None, g.t() @ h if need_dw else None
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    dev = t.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else t.dtype
+
+
+class _LinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, y, chunk):
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dtype = _compute_dtype(h)  # what autocast would run the head's GEMM in
+        with torch.autocast(h.device.type, enabled=False):
+            hc, wc = h.to(dtype), w.to(dtype)  # the weight cast once for every chunk
+            total = torch.zeros((), dtype=torch.promote_types(dtype, torch.float32), device=h.device)
+            dh = torch.empty_like(hc) if need_dh else None
+            dw = torch.zeros(w.shape, dtype=total.dtype, device=w.device) if need_dw else None
+            for i in range(0, hc.shape[0], chunk):
+                loss, dh_i, dw_i = region("lm_loss", ce_chunk, hc[i:i + chunk], wc, y[i:i + chunk], need_dh, need_dw)
+                total += loss
+                if need_dh:
+                    dh[i:i + chunk] = dh_i
+                if need_dw:
+                    dw += dw_i
+        ctx.h_dtype, ctx.w_dtype = h.dtype, w.dtype
+        ctx.save_for_backward(dh, dw)
+        return total
+
+    @staticmethod
+    def backward(ctx, g):
+        dh, dw = ctx.saved_tensors
+        gh = (dh * g).to(ctx.h_dtype) if dh is not None else None
+        gw = (dw * g).to(ctx.w_dtype) if dw is not None else None
+        return gh, gw, None, None
+
+
+def linear_ce_sum(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """Summed cross-entropy (fp32, 0-d) of the logits h @ w.T (h [N,D], w [V,D]) against y [N] (-100 ignored),
+    ``chunk`` rows at a time, differentiable in h and w (the gradients computed in the forward)."""
+    if h.dim() != 2 or w.dim() != 2 or h.shape[1] != w.shape[1]:
+        raise ValueError(f"linear_ce_sum needs h [N,D] and w [V,D]; got {tuple(h.shape)} and {tuple(w.shape)}")
+    if y.shape != h.shape[:1]:
+        raise ValueError(f"targets must be [N] = [{h.shape[0]}]; got {tuple(y.shape)}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1; got {chunk}")
+    return _LinearCE.apply(h, w, y, chunk)

@@ -174,34 +174,40 @@ class ExpertBalancer:
             p.copy_(v.view_as(p))
 
     @torch.no_grad()
-    def step(self) -> dict:
-        """Updates every router's bias from the pooled counts; returns the step's load statistics (loads under
-        the bias that was in effect during it): {"load_max_over_mean": worst layer, "per_layer": [...]}."""
+    def update(self) -> torch.Tensor:
+        """Updates every router's bias from the pooled counts, on the device (nothing is read back, so the host
+        goes on queueing work); returns the step's load statistics, [layers, 2] fp64 on the device: each layer's
+        routed-token count and max/mean expert load (under the bias that was in effect during the step).
+        ``load_stats`` turns them, read, into ``step``'s dict."""
         self._all_reduce()
-        # every layer's token count and max/mean load in one read of the device
         stats = torch.stack([torch.stack([c.sum().double(), c.max().double() / c.double().mean()])
-                             for c in self.loads]).tolist()
-        if all(total == 0 for total, _ in stats):
-            raise RuntimeError("step() found no observed tokens since the last step: call observe() after each "
-                               "micro-batch forward")
-        per_layer = []
+                             for c in self.loads])
         for l, router in enumerate(self.routers):
             loads = self.loads[l].double()  # [E]
-            if stats[l][0] == 0:  # a layer that ran no tokens this step keeps its bias
-                per_layer.append(math.nan)
-                continue
-            per_layer.append(stats[l][1])
             bias = router.e_score_correction_bias
             if self.method == "quantile":
                 b = quantile_from_histogram(self.hist[l], *self._range(l), router.top_k / bias.numel())
                 new = b - b.mean()
             else:
                 new = bias + self.gamma * torch.sign(loads.mean() - loads).to(bias)
-            bias.copy_(new)
+            bias.copy_(torch.where(stats[l, 0] > 0, new, bias))  # a layer that ran no tokens keeps its bias
         self.steps += 1
         self._reset()
-        seen = [x for x in per_layer if not math.isnan(x)]
-        return {"load_max_over_mean": max(seen), "per_layer": per_layer}
+        return stats
+
+    @staticmethod
+    def load_stats(stats: list) -> dict:
+        """``update``'s statistics read back (a list of [count, max/mean] per layer) -> {"load_max_over_mean":
+        worst layer, "per_layer": [...] (NaN for a layer that ran no tokens)}."""
+        if all(total == 0 for total, _ in stats):
+            raise RuntimeError("step() found no observed tokens since the last step: call observe() after each "
+                               "micro-batch forward")
+        per_layer = [ratio if total else math.nan for total, ratio in stats]
+        return {"load_max_over_mean": max(x for x in per_layer if not math.isnan(x)), "per_layer": per_layer}
+
+    def step(self) -> dict:
+        """``update`` and its statistics read at once (``load_stats``)."""
+        return self.load_stats(self.update().tolist())
 
     # checkpointing
 

@@ -46,8 +46,9 @@ def scale_head_logits_(layer: GatedMLA, gamma: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def qk_clip_(model: nn.Module, tau: float = 100.0) -> int:
-    """Clip every MLA head whose recorded max logit exceeds ``tau``; return the number of heads clipped.
+def qk_clip_(model: nn.Module, tau: float = 100.0) -> torch.Tensor:
+    """Clip every MLA head whose recorded max logit exceeds ``tau``; return the number of heads clipped, a 0-d
+    int64 tensor on the layers' device (not read back here: the caller reads it with the step's other figures).
 
     Layers without a recorded ``max_logit`` (tracking off, or no training forward since the last call) are
     skipped; recorded maxima are reset so the next window starts fresh. Under data parallelism all-reduce
@@ -67,4 +68,4 @@ def qk_clip_(model: nn.Module, tau: float = 100.0) -> int:
         scale_head_logits_(layer, torch.where(over, tau / m, torch.ones_like(m)))
         counts.append(over.sum())
         layer.max_logit = None
-    return int(torch.stack(counts).sum()) if counts else 0  # one read of the device, not one per layer
+    return torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64)

@@ -130,16 +130,22 @@ class Trainer:
         self.scheduler.step()
         if not graphed:  # a graph's gradients are its own memory, written afresh by every replay
             self.optimizer.zero_grad(set_to_none=True)
-        # one read of the device per step, once the optimizer's kernels are queued behind the backward's (a read
-        # before them would leave the device idle while the host launches them); a non-finite loss stops the run
-        # before anything of this step is saved
-        loss_sum, mtp_sum, grad_norm = (float(x) for x in (loss_sum, mtp_sum, grad_norm))
-        if not math.isfinite(loss_sum):
-            raise FloatingPointError(f"loss became {loss_sum} at step {self.step_count}; lower --lr or check the data")
+        # QK-clip and the router biases queued on the device too, then one read of the device per step, behind
+        # all of it (a read before them would leave the device idle while the host launches them, and a read of
+        # its own for each would idle it three times); a non-finite loss stops the run before anything of this
+        # step is saved
         if self.cfg.qk_clip_tau:
             self.plan.sync_max_logits(model)
-        clipped = qk_clip_(model, self.cfg.qk_clip_tau) if self.cfg.qk_clip_tau else 0
-        load = self.balancer.step() if self.balancer is not None else None
+        clipped = qk_clip_(model, self.cfg.qk_clip_tau) if self.cfg.qk_clip_tau else None
+        load = self.balancer.update() if self.balancer is not None else None
+        figures = [torch.as_tensor(x, dtype=torch.float64, device=grad_norm.device).reshape(-1)
+                   for x in (loss_sum, mtp_sum, grad_norm, 0 if clipped is None else clipped)]
+        read = torch.cat(figures + ([load.reshape(-1)] if load is not None else [])).tolist()
+        loss_sum, mtp_sum, grad_norm, clipped = read[0], read[1], read[2], int(read[3])
+        if not math.isfinite(loss_sum):
+            raise FloatingPointError(f"loss became {loss_sum} at step {self.step_count}; lower --lr or check the data")
+        if load is not None:
+            load = self.balancer.load_stats([read[i:i + 2] for i in range(4, len(read), 2)])
         self.step_count += 1
         rec = {"step": self.step_count, "loss": loss_sum, "lr": lr, "tokens": self.tokens, "grad_norm": grad_norm}
         if graphed:

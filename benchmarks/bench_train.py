@@ -30,9 +30,9 @@ Step time: each step ends with one read of the device (as `k3 train`); min / med
 Peak memory: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over the timed steps (CUDA; a CUDA graph's
 pool counts only in the reserved figure).
 
-``--profile DIR``: one more step per row under torch.profiler; DIR/<row>.txt holds the ops and kernels of most
-device time, the device's idle gaps between kernels (host-bound stretches), largest first, and the device time per
-module class, forward and backward apart (which layer's code to fuse first).
+``--profile DIR``: one more step per row (``--profile-steps`` N: N more) under torch.profiler; DIR/<row>.txt holds
+the ops and kernels of most device time, the device's idle gaps between kernels (host-bound stretches), largest
+first, and the device time per module class, forward and backward apart (which layer's code to fuse first).
 """
 
 from __future__ import annotations
@@ -215,14 +215,15 @@ def by_shape(prof, device: str, top: int = 40) -> str:
     return "\n".join(lines) + "\n"
 
 
-def profile_step(step, device: str, path: Path, top: int = 40, model=None, trace: bool = False) -> None:
+def profile_step(step, device: str, path: Path, top: int = 40, model=None, trace: bool = False, steps: int = 1) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with module_ranges(model):
         float(step())  # the module hooks make dynamo recompile the compiled regions: here, not in the profiled step
         with profile(activities=acts, record_shapes=True) as prof:
-            float(step())
+            for _ in range(steps):  # several: what happens between one step and the next shows too
+                float(step())
     key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=80)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -327,7 +328,7 @@ def k3_row(preset: str, cfg: K3Config, args, policy: str, batches=None, kind: st
                     **slow)
     if args.profile:
         profile_step(step, device, Path(args.profile) / f"k3-{preset}-{kind}.txt", model=model,
-                     trace=args.trace)
+                     trace=args.trace, steps=args.profile_steps)
     return row
 
 
@@ -378,6 +379,7 @@ def main():
     ap.add_argument("--data-max-bytes", type=int, default=8_000_000, help="--docs corpus: bytes of the corpus")
     ap.add_argument("--peak-tflops", type=float, default=780.0, help="the device's bf16 peak for MFU")
     ap.add_argument("--profile", default=None, metavar="DIR", help="profile one extra step per row into DIR")
+    ap.add_argument("--profile-steps", type=int, default=1, help="with --profile: steps in the profiled window")
     ap.add_argument("--trace", action="store_true", help="with --profile: also each K3 row's timeline, DIR/<row>.json.gz")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None)

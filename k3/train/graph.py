@@ -9,8 +9,9 @@ number the optimiser reads each step), Quantile Balancing and QK-clip.
 
 Packed documents without a fixed layout. The layers plan their kernels from cu_seqlens (``k3.ops.varlen.
 cached_plan``), normally from its host values. Under a graph the boundaries are data instead: the graph is
-captured for a ``Capacity`` (the token shape and a number of document slots), and every plan a layer asks of the graph's cu_seqlens has a fixed shape and is refreshed in place before each replay
-(one pinned copy):
+captured for a ``Capacity`` (the token shape and a number of document slots), and every plan a layer asks of the
+graph's cu_seqlens has a fixed shape and is rebuilt in place on the device before each replay from the padded
+cu_seqlens (one pinned copy of S + 1 integers, ``device_plans``):
   - cu_seqlens itself, padded with empty documents to the slots (fla's KDA builds its chunk list on the device
     from it, ``use_graph``, in a fixed shape, skipping the spare rows);
   - MLA's flash varlen call takes the row's length as its maximum (the spare documents and blocks exit at once);
@@ -109,23 +110,23 @@ class Capacity:
         return -(-self.tokens // FLA_CHUNK) + self.documents - 1
 
 
-def device_plans(cap: Capacity, cu: list[int]) -> torch.Tensor:
-    """Host int64 [documents + 1 + tokens + 2 * tiles]: the padded cu_seqlens, each position's document start and the
-    short conv's (document, tile) rows of one batch, as the graph's buffers hold them (``_Buffers``)."""
-    T, S = cap.tokens, cap.documents
-    if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must rise from 0 to the {T} packed tokens; got {cu[:8]}...")
-    cut = torch.tensor(cu, dtype=torch.long)
-    padded = torch.cat([cut, cut.new_full((S + 1 - len(cu),), T)])  # empty documents at the end
-    lens = cut.diff()
-    starts = torch.repeat_interleave(cut[:-1], lens)  # [T]
-    per_doc = -(-lens // FLA_CHUNK)  # tiles per document
-    doc = torch.repeat_interleave(torch.arange(len(lens)), per_doc)
-    first = torch.repeat_interleave(per_doc.cumsum(0) - per_doc, per_doc)
-    tiles = torch.full((cap.tiles, 2), 0, dtype=torch.long)
-    tiles[:, 0] = S - 1  # the spare rows: a tile of the last slot, which is always empty
-    tiles[:len(doc), 0], tiles[:len(doc), 1] = doc, torch.arange(len(doc)) - first
-    return torch.cat([padded, starts, tiles.flatten()])
+def device_plans(cu: torch.Tensor, tokens: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """From a padded cu_seqlens [S+1] on any device, in fixed shapes and without reading its values back: each
+    position's document start [tokens] (QK-clip's kernel) and the short conv's (document, tile within it) rows
+    [tiles, 2] (fla's), the rows past the real tiles on the last slot, which is always empty.
+
+        start(t) = cu[d(t)],  d(t) = #{i : cu_i <= t} - 1       (an empty document's start equals the next one's)
+        n_d = ceil((cu_{d+1} - cu_d) / 64) tiles for document d, c = cumsum(n); row r is tile r - (c_d - n_d) of
+        the document d with c_{d-1} <= r < c_d"""
+    S = cu.numel() - 1
+    starts = cu[torch.searchsorted(cu, torch.arange(tokens, device=cu.device), right=True) - 1]
+    per_doc = (cu.diff() + FLA_CHUNK - 1) // FLA_CHUNK
+    cum = per_doc.cumsum(0)
+    r = torch.arange(tiles, device=cu.device)
+    doc = torch.searchsorted(cum, r, right=True).clamp_(max=S - 1)
+    real = r < cum[-1]
+    rows = torch.stack([torch.where(real, doc, S - 1), torch.where(real, r - (cum[doc] - per_doc[doc]), 0)], dim=1)
+    return starts, rows
 
 
 class _NoHostValues:
@@ -145,7 +146,7 @@ class _NoHostValues:
 
 class _Buffers:
     """The graph's input buffers on the device: the tokens (and labels), the padded cu_seqlens and the plans, the
-    latter in one int64 tensor filled by one pinned copy per replay."""
+    latter views of one int64 tensor."""
 
     def __init__(self, cap: Capacity, placed, device):
         T, S = cap.tokens, cap.documents
@@ -167,11 +168,19 @@ class _Buffers:
         })
 
     def fill(self, cap: Capacity, batch: dict, cu: list[int]) -> None:
-        host = device_plans(cap, cu)
-        self.flat.copy_(host.pin_memory(), non_blocking=True)
+        """One micro-batch into the buffers: its tokens and its cu_seqlens padded with empty documents (pinned
+        copies), then the plans built from them on the device (``device_plans``: no per-token work on the host)."""
+        T, S = cap.tokens, cap.documents
+        if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must rise from 0 to the {T} packed tokens; got {cu[:8]}...")
+        padded = torch.tensor(cu + [T] * (S + 1 - len(cu)), dtype=torch.long)
+        self.cu.copy_(padded.pin_memory() if self.cu.is_cuda else padded, non_blocking=True)
+        starts, rows = device_plans(self.cu, T, cap.tiles)
+        self.starts.copy_(starts)
+        self.tiles.copy_(rows)
         for src, dst in ((batch["input_ids"], self.input_ids), (batch.get("labels"), self.labels)):
             if src is not None:
-                dst.copy_(src.pin_memory() if src.device.type == "cpu" else src, non_blocking=True)
+                dst.copy_(src.pin_memory() if src.device.type == "cpu" and dst.is_cuda else src, non_blocking=True)
 
 
 class StepGraph:

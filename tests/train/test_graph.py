@@ -52,26 +52,50 @@ def test_a_capacity_covers_any_boundaries_up_to_its_slots_and_image_batches_are_
 
 
 def test_device_plans_are_the_host_plans_in_a_fixed_shape():
-    """The graph's buffers hold, for any boundaries, what the layers' own planners build from host values: the
-    padded cu_seqlens, each position's document start (QK-clip's kernel) and fla's short-conv tiles, the spare
-    rows on the always-empty last slot."""
+    """The plans the graph's buffers hold, built from the padded cu_seqlens alone (``device_plans``: fixed shapes,
+    no read-back), are for any boundaries what the layers' own planners build from host values: each position's
+    document start (QK-clip's kernel) and fla's short-conv tiles, the spare rows on the always-empty last slot;
+    empty documents (at the start, inside, at the end) included."""
     from k3.layers.sequence.mla import _document_starts
     from k3.ops.short_conv import FLA_CHUNK, _fla_tiles
 
     T = 300
     cap = Capacity((), T, 16)
-    for cu in ([0, T], [0, 64, 65, 200, T], [0, 10, 10, 129, T], list(range(0, T, 20)) + [T]):
-        flat = device_plans(cap, cu)
-        S = cap.documents
-        padded, starts, tiles = flat[:S + 1], flat[S + 1:S + 1 + T], flat[S + 1 + T:].view(-1, 2)
-        assert padded.tolist() == cu + [T] * (S + 1 - len(cu))
+    S = cap.documents
+    layouts = ([0, T], [0, 64, 65, 200, T], [0, 10, 10, 129, T], [0, 0, 64, 128, T, T], list(range(0, T, 20)) + [T])
+    for cu in layouts:
+        padded = torch.tensor(cu + [T] * (S + 1 - len(cu)))
+        starts, tiles = device_plans(padded, T, cap.tiles)
         assert torch.equal(starts, _document_starts(cu, "cpu"))
         real = _fla_tiles(cu, T, "cpu")
         assert tiles.shape == (-(-T // FLA_CHUNK) + S - 1, 2)
         assert torch.equal(tiles[:len(real)], real)
-        assert (tiles[len(real):, 0] == S - 1).all() and padded[S - 1] == padded[S] == T  # spare rows: empty slot
-    with pytest.raises(ValueError, match="rise from 0 to the 300"):
-        device_plans(cap, [0, 100])
+        assert (tiles[len(real):, 0] == S - 1).all() and (tiles[len(real):, 1] == 0).all()
+        assert padded[S - 1] == padded[S] == T  # the spare rows' slot is empty
+
+
+def test_the_buffers_take_each_batch_and_refuse_boundaries_that_do_not_cover_the_row():
+    """``_Buffers.fill`` (what runs before every replay), on CPU tensors: a second batch of other boundaries
+    overwrites the first's tokens, padded cu_seqlens and plans in place; boundaries that do not rise from 0 to the
+    row's length are named."""
+    from k3.train.graph import _Buffers
+
+    T, plan = 128, ParallelPlan(ParallelDims(), device="cpu")
+    first = {"input_ids": torch.arange(T)[None], "cu_seqlens": torch.tensor([0, 64, T])}
+    cap = Capacity.covering(*layout(first))
+    buffers = _Buffers(cap, plan.place(first), torch.device("cpu"))
+    views = (buffers.cu.data_ptr(), buffers.starts.data_ptr(), buffers.tiles.data_ptr())
+    for cu in ([0, 64, T], [0, 5, 5, 100, T]):
+        batch = {"input_ids": torch.arange(T)[None] + len(cu), "cu_seqlens": torch.tensor(cu)}
+        buffers.fill(cap, batch, cu)
+        assert torch.equal(buffers.input_ids, batch["input_ids"]) and buffers.labels is buffers.input_ids
+        padded = torch.tensor(cu + [T] * (cap.documents + 1 - len(cu)))
+        assert torch.equal(buffers.cu, padded)
+        starts, tiles = device_plans(padded, T, cap.tiles)
+        assert torch.equal(buffers.starts, starts) and torch.equal(buffers.tiles, tiles)
+    assert (buffers.cu.data_ptr(), buffers.starts.data_ptr(), buffers.tiles.data_ptr()) == views  # in place
+    with pytest.raises(ValueError, match="rise from 0 to the 128"):
+        buffers.fill(cap, first, [0, 100])
 
 
 def test_a_layer_planning_from_host_values_under_a_graph_is_named():

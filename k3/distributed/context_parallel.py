@@ -126,14 +126,14 @@ class ContextParallel:
         return self._attend_mla(layer.self_attn, x)
 
     def _conv(self, x, taps):
-        return kcp_short_conv(x, taps, self.group, self.cu_local, self.continues)
+        return kcp_short_conv(x, taps, self.group, self.cu_local, self.continues, activation=False)
 
     def _attend_kda(self, attn, x):
         """The KDA layer's own pieces around the halo'd convs (q, k, v stacked: one halo exchange) and the KCP
         recurrence."""
         _, _, _, f, b, gate = attn.projections(x, qkv=False)
-        q, k, v = attn.conv_qkv(x, conv=self._conv)
-        q, k, v, g, beta = attn.activations(q, k, v, f, b)
+        q, k, v = attn.conv_qkv(x, conv=self._conv)  # before the convs' SiLU: activations applies it
+        q, k, v, g, beta = attn.activations(q, k, v, f, b, conv_silu=True)
         o, _ = kcp_chunk_kda(q, k, v, g, beta, self.group, cu_seqlens=self.cu_local,
                              first_doc_continues=self.continues, backend=attn.backend,
                              lower_bound=attn.kernel_lower_bound)

@@ -35,8 +35,9 @@ def test_kda_packed_documents_are_independent():
 @pytest.mark.parametrize("packed", [False, True])
 def test_kda_stacked_qkv_equals_three_projections_and_convs(packed, monkeypatch):
     """Without a decode state the layer projects q, k, v as one matmul and convolves them as one depthwise conv over
-    the stacked channels (``conv_qkv``): the output and every gradient equal the per-projection path's (the
-    stateful one), and the short conv runs once instead of three times."""
+    the stacked channels (``conv_qkv``, its SiLU applied after the conv in ``activations``): the output and every
+    gradient equal the per-projection path's (the stateful one, the SiLU inside each conv), and the short conv runs
+    once instead of three times."""
     import k3.layers.sequence.kda as kda_layer
 
     cfg = K3Config.preset("tiny")

@@ -110,11 +110,13 @@ class KimiDeltaAttention(nn.Module):
             return q, k, v, fa, b, g
         return q, k, v, self.f_b_proj(fa).view(B, T, self.num_heads, self.head_dim), b, g
 
-    def activations(self, q, k, v, f, b):
+    def activations(self, q, k, v, f, b, conv_silu: bool = False):
         """After the convs: per-head L2-normalised q, k and v [B,T,H,K], log-decay g [B,T,H,K] fp32, beta
-        [B,T,H] fp32. A named region ("kda_activations"): ``k3 train --compile`` fuses its elementwise chains."""
+        [B,T,H] fp32. ``conv_silu``: q, k, v come before the short convs' SiLU (``conv_qkv``), applied here first.
+        A named region ("kda_activations"): ``k3 train --compile`` fuses its elementwise chains (the SiLU with
+        the L2 norms)."""
         return region("kda_activations", _activations, q, k, v, f, b, self.A_log, self.dt_bias, self.num_heads,
-                      self.head_dim, self.gate_kind, self.lower_bound)
+                      self.head_dim, self.gate_kind, self.lower_bound, conv_silu)
 
     @property
     def kernel_lower_bound(self) -> float | None:
@@ -134,22 +136,26 @@ class KimiDeltaAttention(nn.Module):
         return self.o_proj(o.reshape(B, T, H * K).to(gate.dtype))
 
     def conv_qkv(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, conv=None):
-        """q, k, v after their short convs, stateless (training, a plain forward): the three projections as one
-        matmul over their stacked weights and the three depthwise convs as one over the stacked channels (the
-        same per-channel arithmetic; one launch each instead of three, forward and backward) -> q, k, v
-        [B,T,H*K], views of one [B,T,3*H*K] tensor. ``conv(y, taps) -> y`` replaces the short conv (context
-        parallelism's halo'd conv)."""
+        """q, k, v after their short convs and before the convs' SiLU, stateless (training, a plain forward):
+        the three projections as one matmul over their stacked weights and the three depthwise convs as one over
+        the stacked channels (the same per-channel arithmetic; one launch each instead of three, forward and
+        backward) -> q, k, v [B,T,H*K], views of one [B,T,3*H*K] tensor. The SiLU is left to ``activations(...,
+        conv_silu=True)``, where it fuses with the L2 norms and the conv's backward has no activation to
+        recompute. ``conv(y, taps) -> y`` replaces the short conv, without its activation (context parallelism's
+        halo'd conv)."""
         w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
         taps = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
         y = F.linear(x, w)
-        y = conv(y, taps) if conv is not None else short_conv(y, taps, None, cu_seqlens, False, backend=self.backend)[0]
+        y = conv(y, taps) if conv is not None else short_conv(y, taps, None, cu_seqlens, False, activation=False,
+                                                              backend=self.backend)[0]
         return y.split(self.q_proj.out_features, dim=-1)
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, state: KDAState | None = None,
                 output_state: bool = False) -> tuple[torch.Tensor, KDAState | None]:
         T = x.shape[1]
         want = output_state or state is not None
-        if want or use_fused(self.in_proj):  # a decode state in and out: each conv keeps its own tail
+        stateless = not (want or use_fused(self.in_proj))
+        if not stateless:  # a decode state in and out: each conv keeps its own tail
             q, k, v, f, b, gate = self.projections(x)
             q, cq = self.q_conv1d(q, state and state.conv_q, cu_seqlens, want, self.backend)
             k, ck = self.k_conv1d(k, state and state.conv_k, cu_seqlens, want, self.backend)
@@ -157,7 +163,7 @@ class KimiDeltaAttention(nn.Module):
         else:
             _, _, _, f, b, gate = self.projections(x, qkv=False)
             q, k, v = self.conv_qkv(x, cu_seqlens)
-        q, k, v, g, beta = self.activations(q, k, v, f, b)
+        q, k, v, g, beta = self.activations(q, k, v, f, b, conv_silu=stateless)  # conv_qkv: before the SiLU
         h0 = state.recurrent if state is not None else None
         if T == 1 and cu_seqlens is None:  # one token: the recurrence itself on a fixed-size state
             o, hT = kda_ops.recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=want,
@@ -169,8 +175,11 @@ class KimiDeltaAttention(nn.Module):
         return self.output(o, gate), (KDAState(hT, cq, ck, cv) if want else None)
 
 
-def _activations(q, k, v, f, b, A_log, dt_bias, H: int, K: int, gate_kind: str, lower_bound: float):
+def _activations(q, k, v, f, b, A_log, dt_bias, H: int, K: int, gate_kind: str, lower_bound: float,
+                 conv_silu: bool = False):
     B, T, _ = q.shape
+    if conv_silu:
+        q, k, v = F.silu(q), F.silu(k), F.silu(v)
     g = kda_ops.kda_gate(f, A_log, dt_bias, gate_kind, lower_bound)
     return (l2_norm(q.view(B, T, H, K)), l2_norm(k.view(B, T, H, K)), v.view(B, T, H, K), g,
             torch.sigmoid(b.float()))

@@ -187,9 +187,9 @@ def cp_model_loss(model, ids_global: torch.Tensor, cu_seqlens, start: int, end: 
     group must pass the same (their attention is collective). ``labels_global`` (default: the ids): the targets,
     -100 where a token is none (fine-tuning).
 
-    The head's CE runs ``loss_chunk`` tokens at a time, recomputed in the backward: no [T, vocab] logits are held
-    (what makes long CP segments affordable). It calls the trunk, the norm, the head and the MTP layers one by one:
-    under FSDP (``k3.distributed.plan``) it runs as a registered forward method of the root, so that the root's own
+    The head's CE runs ``loss_chunk`` tokens at a time, its gradients computed in the forward (``k3.ops.linear_ce``):
+    no [T, vocab] logits are held (what makes long CP segments affordable). It calls the trunk, the norm, the head
+    and the MTP layers one by one: under FSDP (``k3.distributed.plan``) it runs as a registered forward method of the root, so that the root's own
     weights are gathered around these calls."""
     from ..model.transformer import chunked_head_ce_sum
 

@@ -40,9 +40,13 @@ def ce_chunk(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, need_dh: bool, n
     loss = torch.where(counted, lse - picked, 0.0).sum()
     if not (need_dh or need_dw):
         return loss, None, None
-    hit = torch.arange(zf.shape[1], device=zf.device)[None, :] == y0[:, None]
-    g = torch.exp(zf - lse[:, None]) - hit.to(zf.dtype)
-    g = torch.where(counted[:, None], g, 0.0).to(z.dtype)
+    # G = softmax(z) - onehot(y): the softmax written once in z's dtype, an ignored row's lse +inf so that its
+    # row is 0; the n target entries p_y - 1 computed in fp32 from the picked logits (no cancellation in bf16) and
+    # written over it. One temporary [n,V] in fp32 eager (in place), one reduction + one write under compile.
+    lse_or_inf = torch.where(counted, lse, float("inf"))
+    g = (zf - lse_or_inf[:, None]).exp_().to(z.dtype)
+    rows = torch.arange(g.shape[0], device=g.device)
+    g[rows, y0] = torch.where(counted, torch.exp(picked - lse) - 1, 0.0).to(g.dtype)
     return loss, g @ w if need_dh else None, g.t() @ h if need_dw else None
 
 

@@ -138,14 +138,19 @@ class Trainer:
             self.plan.sync_max_logits(model)
         clipped = qk_clip_(model, self.cfg.qk_clip_tau) if self.cfg.qk_clip_tau else None
         load = self.balancer.update() if self.balancer is not None else None
-        figures = [torch.as_tensor(x, dtype=torch.float64, device=grad_norm.device).reshape(-1)
-                   for x in (loss_sum, mtp_sum, grad_norm, 0 if clipped is None else clipped)]
-        read = torch.cat(figures + ([load.reshape(-1)] if load is not None else [])).tolist()
-        loss_sum, mtp_sum, grad_norm, clipped = read[0], read[1], read[2], int(read[3])
+        figures = {"loss": loss_sum, "mtp": mtp_sum, "grad_norm": grad_norm,
+                   "clipped": 0 if clipped is None else clipped}
+        dev = grad_norm.device  # the figures already there are read together; host numbers stay as they are
+        read = [k for k, x in figures.items() if isinstance(x, torch.Tensor) and x.device == dev]
+        values = torch.cat([figures[k].double().reshape(-1) for k in read]
+                           + ([load.reshape(-1)] if load is not None else [])).tolist()
+        figures.update(zip(read, values))
+        loss_sum, mtp_sum, grad_norm = (float(figures[k]) for k in ("loss", "mtp", "grad_norm"))
+        clipped = int(figures["clipped"])
         if not math.isfinite(loss_sum):
             raise FloatingPointError(f"loss became {loss_sum} at step {self.step_count}; lower --lr or check the data")
         if load is not None:
-            load = self.balancer.load_stats([read[i:i + 2] for i in range(4, len(read), 2)])
+            load = self.balancer.load_stats([values[i:i + 2] for i in range(len(read), len(values), 2)])
         self.step_count += 1
         rec = {"step": self.step_count, "loss": loss_sum, "lr": lr, "tokens": self.tokens, "grad_norm": grad_norm}
         if graphed:

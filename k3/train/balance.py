@@ -85,12 +85,13 @@ def exact_quantile_bias(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tor
 
 class ExpertBalancer:
     """Keeps every MoE layer's router bias balanced; call observe() after each micro-batch forward, step() once
-    per optimizer step (the new bias applies from the next step on).
+    per optimizer step (the new bias applies from the next step on); or update() there, which leaves its load
+    statistics on the device to be read with the step's other figures (``Trainer``), and load_stats() on them.
 
     ``source`` is a model (every LatentMoE in it is found and set to record its routing) or a list of routers
     (anything with ``e_score_correction_bias`` [E] and ``top_k``; pass the routing to observe() yourself).
     ``group`` is the data-parallel process group whose tokens are pooled (default: the whole world); under
-    torch.distributed every rank of it must call step(), which holds the one collective.
+    torch.distributed every rank of it must call step() (or update()), which holds the one collective.
     """
 
     def __init__(self, source: nn.Module | list, method: str = "quantile", bins: int = 1000, gamma: float = 1e-3,

@@ -194,3 +194,25 @@ def test_balancer_on_a_tiny_model():
     for b0, r in zip(before, bal.routers):
         b = r.e_score_correction_bias
         assert not torch.equal(b, b0) and abs(b.mean().item()) < 1e-6
+
+
+@pytest.mark.parametrize("method", ["quantile", "sign"])
+def test_a_layer_that_ran_no_tokens_keeps_its_bias_and_update_leaves_the_statistics_on_the_device(method):
+    """``update()`` queues every bias update without reading the device; a layer with no routed tokens this step
+    keeps its bias (its statistic NaN), the others update; ``load_stats`` of the read statistics is ``step()``'s
+    dict, and a step in which no layer saw a token is refused."""
+    scores = skewed_scores(2048, 64)
+    results = []
+    for call in ("step", "update"):
+        r0, r1 = router(64, 4), router(64, 4)
+        r1.e_score_correction_bias.fill_(0.25)
+        bal = ExpertBalancer([r0, r1], method=method)
+        bal.observe([(scores, select_experts(scores, r0.e_score_correction_bias, 4)[1]), None])
+        stats = bal.step() if call == "step" else ExpertBalancer.load_stats(bal.update().tolist())
+        assert torch.equal(r1.e_score_correction_bias, torch.full((64,), 0.25))  # no tokens: unchanged
+        assert not torch.equal(r0.e_score_correction_bias, torch.zeros(64))
+        assert math.isnan(stats["per_layer"][1]) and stats["load_max_over_mean"] == stats["per_layer"][0] > 1
+        results.append((stats["per_layer"][0], r0.e_score_correction_bias.clone()))
+    assert results[0][0] == results[1][0] and torch.equal(results[0][1], results[1][1])
+    with pytest.raises(RuntimeError, match="no observed tokens"):
+        ExpertBalancer.load_stats([[0.0, math.nan], [0.0, math.nan]])

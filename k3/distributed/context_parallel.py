@@ -189,8 +189,8 @@ def cp_model_loss(model, ids_global: torch.Tensor, cu_seqlens, start: int, end: 
 
     The head's CE runs ``loss_chunk`` tokens at a time, its gradients computed in the forward (``k3.ops.linear_ce``):
     no [T, vocab] logits are held (what makes long CP segments affordable). It calls the trunk, the norm, the head
-    and the MTP layers one by one: under FSDP (``k3.distributed.plan``) it runs as a registered forward method of the root, so that the root's own
-    weights are gathered around these calls."""
+    and the MTP layers one by one: under FSDP (``k3.distributed.plan``) it runs as a registered forward method of
+    the root, so that the root's own weights are gathered around these calls."""
     from ..model.transformer import chunked_head_ce_sum
 
     view = ContextParallel(group, start, end, cu_seqlens)

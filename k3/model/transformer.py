@@ -162,8 +162,9 @@ class K3ForCausalLM(nn.Module):
         With ``cu_seqlens`` (B = 1, packed documents) no position predicts across a document boundary.
 
         ``return_logits=False`` (training): the losses only, computed ``loss_chunk`` tokens at a time with their
-        gradients (``k3.ops.linear_ce``: the head's three GEMMs per chunk, in the forward), so no [B,T,V] logits (nor their fp32 copy and gradient) are ever held whole;
-        the loss and every gradient equal the unchunked ones up to float summation order.
+        gradients (``k3.ops.linear_ce``: the head's three GEMMs per chunk, in the forward), so no [B,T,V] logits
+        (nor their fp32 copy and gradient) are ever held whole; the loss and every gradient equal the unchunked
+        ones up to float summation order.
 
         ``inputs_embeds`` [B,T,D]: the trunk's input instead of embedding input_ids (which still name the tokens
         for MTP's next-token inputs)."""

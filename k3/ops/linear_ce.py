@@ -26,12 +26,12 @@ import torch
 
 from ..layers.regions import region
 
-__all__ = ["linear_ce_sum", "ce_chunk"]
+__all__ = ["linear_ce_sum"]
 
 
-def ce_chunk(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, need_dh: bool, need_dw: bool):
-    """One chunk: (summed CE in fp32 or wider, dL/dh [n,D] or None, dL/dW [V,D] or None) for h [n,D], w [V,D] (one dtype),
-    y [n] (-100 ignored)."""
+def _ce_chunk(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, need_dh: bool, need_dw: bool):
+    """One chunk (the "lm_loss" region): (summed CE in fp32 or wider, dL/dh [n,D] or None, dL/dW [V,D] or None)
+    for h [n,D], w [V,D] (one dtype), y [n] (-100 ignored)."""
     z = h @ w.t()
     zf = z.to(torch.promote_types(z.dtype, torch.float32))  # fp32 (fp64 stays fp64)
     lse = torch.logsumexp(zf, dim=-1)
@@ -67,7 +67,7 @@ class _LinearCE(torch.autograd.Function):
             dh = torch.empty_like(hc) if need_dh else None
             dw = torch.zeros(w.shape, dtype=total.dtype, device=w.device) if need_dw else None
             for i in range(0, hc.shape[0], chunk):
-                loss, dh_i, dw_i = region("lm_loss", ce_chunk, hc[i:i + chunk], wc, y[i:i + chunk], need_dh, need_dw)
+                loss, dh_i, dw_i = region("lm_loss", _ce_chunk, hc[i:i + chunk], wc, y[i:i + chunk], need_dh, need_dw)
                 total += loss
                 if need_dh:
                     dh[i:i + chunk] = dh_i

@@ -49,7 +49,8 @@ def test_bf16_autocast_runs_the_gemms_in_bf16_and_returns_gradients_in_the_input
 
 def test_a_frozen_input_gets_no_gradient_and_the_other_is_exact():
     torch.manual_seed(2)
-    h, w, y = torch.randn(20, 8, dtype=torch.float64), torch.randn(11, 8, dtype=torch.float64), torch.randint(0, 11, (20,))
+    h, w = torch.randn(20, 8, dtype=torch.float64), torch.randn(11, 8, dtype=torch.float64)
+    y = torch.randint(0, 11, (20,))
     hw = h.clone().requires_grad_()
     linear_ce_sum(hw, w, y, 6).backward()  # w frozen (a frozen head)
     ref = grads(reference, h, w, y, 1.0)

@@ -3,7 +3,8 @@
 # cannot eat the others. Results land in $OUT, packed at the end into $OUT/gpu_session.tgz (JSON + logs) and
 # $OUT/autotune.tgz (fla's Triton autotuning results: extract into .tcache/ and carry it next time to skip it).
 #   usage (device tool, carrying .whl with fla-core, and .tcache if you have one): bash benchmarks/gpu_session.sh [steps...]
-#   one GPU:  tests serve decode train trainc ktrain profile memory cp kda kdadec attnres muon packed quant qdecode post
+#   one GPU:  tests serve decode train trainc ktrain profile memory cp kda kdadec attnres tkern muon packed quant qdecode
+#             post
 #             (default: tests serve train cp)
 #   2+ GPUs:  nccl flacp kcp scale             (the distributed suite over NCCL, fla CP vs KCP, multi-GPU throughput)
 #   T_TESTS=300 etc. (T_<STEP>, upper case) override a step's limit in seconds.
@@ -76,6 +77,7 @@ for s in $steps; do
     # AttnRes's kernels: the training forward/backward (the backward's column-kernel tiles), the inference row kernel
     attnres) timeout ${T_ATTNRES:-240} python3 benchmarks/bench_attn_res.py --json "$L/bench_attn_res.json" 2>&1 | tee "$L/bench_attn_res.log" ;;
     # the optimiser step of small and medium: Muon's fused passes against their torch-op reference (GPU test first)
+    tkern)  timeout ${T_TKERN:-240} bash -c "python3 -m pytest -q -p no:cacheprovider -W ignore tests/ops/test_short_conv.py tests/ops/test_max_logit.py tests/ops/test_linear_ce.py; python3 benchmarks/bench_train_kernels.py --json $L/bench_train_kernels.json" 2>&1 | tee "$L/bench_train_kernels.log" ;;
     muon)   timeout ${T_MUON:-150} bash -c "python3 -m pytest -q -p no:cacheprovider -W ignore tests/ops/test_muon_step.py; python3 benchmarks/bench_muon.py --json $L/bench_muon.json" 2>&1 | tee "$L/bench_muon.log" ;;
     kda)    timeout ${T_KDA:-420} python3 benchmarks/bench_kda.py --json "$L/bench_kda.json" 2>&1 | tee "$L/bench_kda.log" ;;
     # the suite checks the distributed logic with the reference KDA kernels (no fla autotuning in every spawned

@@ -7,7 +7,8 @@
   L   = sum_t (lse_t - z_{t,y_t})               counted rows only
   G   = softmax(z) - onehot(y)                  dL/dz, 0 on ignored rows
   dh  = G W                                     [n,D]   GEMM 2
-  dW += G^T h                                   [V,D]   GEMM 3 (summed over chunks in fp32)
+  dW += G^T h                                   [V,D]   GEMM 3 (summed over chunks in fp32: on CUDA inside the
+                                                                GEMM, cuBLAS accumulating into the fp32 sum)
 
 The backward only scales dh and dW by the loss's incoming gradient (a scalar). Three GEMMs per chunk, where
 computing the chunk's logits under activation checkpointing takes four (forward, recompute, two gradients), and a
@@ -29,9 +30,9 @@ from ..layers.regions import region
 __all__ = ["linear_ce_sum"]
 
 
-def _ce_chunk(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, need_dh: bool, need_dw: bool):
-    """One chunk (the "lm_loss" region): (summed CE in fp32 or wider, dL/dh [n,D] or None, dL/dW [V,D] or None)
-    for h [n,D], w [V,D] (one dtype), y [n] (-100 ignored)."""
+def _ce_chunk(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, need_grad: bool):
+    """One chunk (the "lm_loss" region): (summed CE in fp32 or wider, dL/dz [n,V] in z's dtype or None) for h [n,D],
+    w [V,D] (one dtype), y [n] (-100 ignored)."""
     z = h @ w.t()
     zf = z.to(torch.promote_types(z.dtype, torch.float32))  # fp32 (fp64 stays fp64)
     lse = torch.logsumexp(zf, dim=-1)
@@ -39,8 +40,8 @@ def _ce_chunk(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, need_dh: bool, 
     y0 = torch.where(counted, y, 0)
     picked = zf.gather(1, y0[:, None]).squeeze(1)
     loss = torch.where(counted, lse - picked, 0.0).sum()
-    if not (need_dh or need_dw):
-        return loss, None, None
+    if not need_grad:
+        return loss, None
     # G = softmax(z) - onehot(y): the softmax written once in z's dtype, an ignored row's lse +inf so that its
     # row is 0; the n target entries p_y - 1 computed in fp32 from the picked logits (no cancellation in bf16) and
     # written over it. One temporary [n,V] in fp32 eager (in place), one reduction + one write under compile.
@@ -48,7 +49,16 @@ def _ce_chunk(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, need_dh: bool, 
     g = (zf - lse_or_inf[:, None]).exp_().to(z.dtype)
     rows = torch.arange(g.shape[0], device=g.device)
     g[rows, y0] = torch.where(counted, torch.exp(picked - lse) - 1, 0.0).to(g.dtype)
-    return loss, g @ w if need_dh else None, g.t() @ h if need_dw else None
+    return loss, g
+
+
+def _add_gt_h(dw: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
+    """dw += g^T h with dw wider than g and h (fp32 over bf16): on CUDA one GEMM accumulating into dw (cuBLAS's
+    beta = 1, ``out_dtype``), elsewhere the product rounded to g's dtype and added."""
+    if dw.is_cuda and dw.dtype != g.dtype:
+        torch.addmm(dw, g.t(), h, out_dtype=dw.dtype, out=dw)
+    else:
+        dw += g.t() @ h
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -67,12 +77,13 @@ class _LinearCE(torch.autograd.Function):
             dh = torch.empty_like(hc) if need_dh else None
             dw = torch.zeros(w.shape, dtype=total.dtype, device=w.device) if need_dw else None
             for i in range(0, hc.shape[0], chunk):
-                loss, dh_i, dw_i = region("lm_loss", _ce_chunk, hc[i:i + chunk], wc, y[i:i + chunk], need_dh, need_dw)
+                h_i = hc[i:i + chunk]
+                loss, g = region("lm_loss", _ce_chunk, h_i, wc, y[i:i + chunk], need_dh or need_dw)
                 total += loss
                 if need_dh:
-                    dh[i:i + chunk] = dh_i
+                    torch.mm(g, wc, out=dh[i:i + chunk])
                 if need_dw:
-                    dw += dw_i
+                    _add_gt_h(dw, g, h_i)
         ctx.h_dtype, ctx.w_dtype = h.dtype, w.dtype
         ctx.save_for_backward(dh, dw)
         return total

@@ -3,10 +3,12 @@
 Legend: B batch, T time, D channels, W kernel width, N sequences. weight [D, 1, W] (nn.Conv1d layout);
 state [N, D, W-1] holds the last W-1 inputs of each sequence, oldest first.
 
-Two implementations of one function: the pure-torch reference below (CPU, and CUDA with ``backend="torch"``), and
-fla-core's Triton ``causal_conv1d`` (forward and backward in one kernel each, SiLU fused, packed documents without
-padding) on CUDA. ``backend`` follows the KDA layer's (``k3.ops.kda.resolve_backend``: "auto" is fla-core on CUDA
-when it imports). fla keeps a state of W entries per channel, the oldest unused: ours is its last W-1.
+Three implementations of one function: the pure-torch reference below (CPU, and CUDA with ``backend="torch"``);
+on CUDA (``backend`` "fla", or "auto" where fla-core imports: the KDA layer's ``k3.ops.kda.resolve_backend``) k3's
+Triton kernels for the stateless convolution without activation that training runs (``k3.ops._short_conv_triton``:
+one pass forward, one backward that reads dy and x once per tap from cache and sums the weight's gradient per
+tile), and fla-core's ``causal_conv1d`` for every call with a state in or out or the SiLU (prefill, context
+parallelism's halo). fla keeps a state of W entries per channel, the oldest unused: ours is its last W-1.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .varlen import _to_device, cached_plan, document_offsets
+from ._triton import triton_available
+from .varlen import _to_device, cached_plan, document_offsets, document_starts
 
 __all__ = ["short_conv"]
 
@@ -43,6 +46,8 @@ def short_conv(
     if x.shape[-1] != D:
         raise ValueError(f"short_conv: x has {x.shape[-1]} channels, weight has {D}")
     if resolve_backend(backend, x) == "fla" and x.shape[1] > 0:
+        if state is None and not output_final_state and not activation and triton_available():
+            return _triton(x, weight, cu_seqlens), None
         return _fla(x, weight, state, cu_seqlens, output_final_state, activation)
     if cu_seqlens is not None:
         return _packed(x, weight, state, cu_seqlens, output_final_state, activation)
@@ -105,6 +110,43 @@ def _packed(x, weight, state, cu_seqlens, output_final_state, activation):
                 -1, -1, D)) * (1 - inside)
         final = final.transpose(1, 2).to(x.dtype)
     return y.to(x.dtype)[None], final
+
+
+class _Conv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, starts, seg: int):
+        from . import _short_conv_triton as k
+
+        w = weight.view(weight.shape[0], -1).float().contiguous()
+        y = k.forward(x, w, starts, seg)
+        ctx.save_for_backward(x, w, starts)
+        ctx.seg, ctx.wshape, ctx.wdtype = seg, weight.shape, weight.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from . import _short_conv_triton as k
+
+        x, w, starts = ctx.saved_tensors
+        dx, dw = k.backward(dy if dy.stride(-1) == 1 else dy.contiguous(), x, w, starts, ctx.seg)
+        return dx, dw.to(ctx.wdtype).view(ctx.wshape), None, None
+
+
+def _triton(x, weight, cu_seqlens):
+    """The stateless convolution without activation through k3's kernels: x [B,T,D] (channels contiguous; a view
+    of a wider row is read in place) -> y [B,T,D]. Packed documents find their starts in ``document_starts`` (one
+    plan per cu_seqlens, a CUDA graph's own buffer); a batch of rows is one packed row of B documents of T."""
+    B, T, D = x.shape
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"packed documents (cu_seqlens) come in batch 1; got batch {B}")
+        starts = document_starts(cu_seqlens, x.device)
+        if starts.numel() != T:
+            raise ValueError(f"short_conv: cu_seqlens covers {starts.numel()} tokens; x has {T}")
+    else:
+        starts = None
+    flat = x.reshape(B * T, D) if x.stride(-1) == 1 else x.reshape(B * T, D).contiguous()
+    return _Conv.apply(flat, weight, starts, T).view(B, T, D)
 
 
 @functools.lru_cache(maxsize=1)

@@ -14,7 +14,7 @@ import torch
 
 __all__ = ["pack_sequences", "unpack_sequences", "document_ids", "same_document", "length_groups", "PaddedRows",
            "GroupedDocuments", "padded_documents", "grouped_documents", "cached_plan", "place_cu_seqlens",
-           "known_host_values", "register_plans", "plans_of", "document_offsets", "GROUP_OVERHEAD"]
+           "known_host_values", "register_plans", "plans_of", "document_offsets", "document_starts", "GROUP_OVERHEAD"]
 
 # a padded group's fixed cost in token^2 (gather, attention call, scatter), against count x longest^2 for its work
 GROUP_OVERHEAD = 512 ** 2
@@ -234,6 +234,18 @@ def place_cu_seqlens(cu_seqlens: torch.Tensor, device) -> torch.Tensor:
 def known_host_values(cu_seqlens: torch.Tensor) -> list[int] | None:
     """The host values of a cu_seqlens tensor if they are known without reading the device, else None."""
     return _lookup(cu_seqlens, _HOST)
+
+
+def document_starts(cu_seqlens: torch.Tensor, device) -> torch.Tensor:
+    """[T] int64 on ``device``: the first position of each packed position's document, built once per cu_seqlens
+    tensor (``cached_plan``; a CUDA graph registers its own buffer under this key). Read by QK-clip's max-logit
+    kernel and the short convolution's."""
+    def build(cu):
+        if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must rise from 0 to the number of packed tokens; got {cu}")
+        offsets, _, _ = document_offsets(cu, device)
+        return torch.arange(cu[-1] - cu[0], device=device) - offsets
+    return cached_plan(cu_seqlens, ("starts", torch.device(device)), build)
 
 
 def document_offsets(cu: Sequence[int], device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -46,10 +46,10 @@ def test_reference_is_the_masked_max_over_pairs(cu):
 
 @needs_triton
 @pytest.mark.parametrize("cu,D,dtype", [(None, 96, torch.float32), ([0, 30, 31, 100, 157], 96, torch.float32),
-                                        ([0, 70, 157], 40, torch.float32),
+                                        ([0, 70, 157], 40, torch.float32), ([0, 3, 157], 96, torch.float32),
                                         pytest.param([0, 20, 157], 96, torch.bfloat16, marks=pytest.mark.skipif(
                                             DEV != "cuda", reason="bf16 tensor-core dots: compiled Triton only"))],
-                         ids=["rows-D96", "docs4-D96", "docs2-D40", "docs2-D96-bf16"])
+                         ids=["rows-D96", "docs4-D96", "docs2-D40", "docs2-D96-unmasked-tiles", "docs2-D96-bf16"])
 def test_triton_kernel_matches_the_reference(cu, D, dtype):
     from k3.ops.max_logit import causal_max_logit_triton
 

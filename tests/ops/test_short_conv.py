@@ -1,3 +1,5 @@
+import importlib.util
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -115,3 +117,57 @@ def test_the_fla_backend_refuses_cpu_tensors_and_unknown_backends_by_name():
         short_conv(x, w, backend="cuda")
     y, _ = short_conv(x, w, backend="torch")
     assert torch.equal(y, short_conv(x, w)[0])  # "auto" on CPU is the reference
+
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@needs_triton
+@pytest.mark.parametrize("W", [1, 2, 4])
+@pytest.mark.parametrize("layout", ["packed", "rows", "one"])
+def test_triton_kernels_equal_the_reference_with_gradients(W, layout):
+    """k3's Triton kernels (training's stateless conv without activation; Triton's interpreter on CPU) equal the
+    reference (both summing in fp32) in output and in the gradients of x and the weight: packed documents shorter than W, empty and longer
+    than a time tile, a batch of rows (each its own document), one row; T and the channels not multiples of the
+    tiles; x a view into a wider row (conv_qkv's layout)."""
+    from k3.ops.short_conv import _triton
+
+    D, T = 150, 140
+    cu = {"packed": torch.tensor([0, 1, 3, 3, 70, 139, 140]), "rows": None, "one": None}[layout]
+    B = 2 if layout == "rows" else 1
+    wide = torch.randn(B, T, D + 17, device=DEV)
+    x = wide[..., 5:5 + D].requires_grad_()
+    w = torch.randn(D, 1, W, device=DEV, requires_grad=True)
+    cu_dev = cu.to(DEV) if cu is not None else None
+    y = _triton(x, w, cu_dev)
+    gy = torch.randn_like(y)
+    dx, dw = torch.autograd.grad((y * gy).sum(), [x, w])
+    y_ref = short_conv(x, w, cu_seqlens=cu_dev, activation=False, backend="torch")[0]
+    dx_ref, dw_ref = torch.autograd.grad((y_ref * gy).sum(), [x, w])
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(dx, dx_ref)
+    torch.testing.assert_close(dw, dw_ref)
+
+
+@needs_triton
+def test_triton_kernels_in_bf16_sum_in_fp32():
+    """bf16 x, fp32 weight (autocast's layout): the output and x's gradient are the fp32 sums rounded once, the
+    weight's gradient the fp32 sum over every token."""
+    from k3.ops.short_conv import _triton
+
+    cu = torch.tensor([0, 90, 200], device=DEV)
+    x = torch.randn(1, 200, 64, device=DEV).bfloat16().requires_grad_()
+    w = torch.randn(64, 1, 4, device=DEV, requires_grad=True)
+    y = _triton(x, w, cu)
+    gy = torch.randn_like(y)
+    dx, dw = torch.autograd.grad((y.float() * gy.float()).sum(), [x, w])
+    xr = x.detach().float().requires_grad_()
+    y_ref = short_conv(xr, w, cu_seqlens=cu, activation=False, backend="torch")[0]
+    dx_ref, dw_ref = torch.autograd.grad((y_ref * gy.float()).sum(), [xr, w])
+    assert y.dtype == dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
+    torch.testing.assert_close(y.float(), y_ref.bfloat16().float(), atol=0, rtol=0.01)
+    torch.testing.assert_close(dx.float(), dx_ref.bfloat16().float(), atol=0, rtol=0.01)
+    torch.testing.assert_close(dw, dw_ref, atol=1e-3, rtol=1e-4)
+    with pytest.raises(ValueError, match="covers 200 tokens; x has 199"):
+        _triton(x[:, :199], w, cu)

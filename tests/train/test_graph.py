@@ -56,7 +56,7 @@ def test_device_plans_are_the_host_plans_in_a_fixed_shape():
     no read-back), are for any boundaries what the layers' own planners build from host values: each position's
     document start (QK-clip's kernel) and fla's short-conv tiles, the spare rows on the always-empty last slot;
     empty documents (at the start, inside, at the end) included."""
-    from k3.layers.sequence.mla import _document_starts
+    from k3.ops.varlen import document_starts
     from k3.ops.short_conv import FLA_CHUNK, _fla_tiles
 
     T = 300
@@ -66,7 +66,7 @@ def test_device_plans_are_the_host_plans_in_a_fixed_shape():
     for cu in layouts:
         padded = torch.tensor(cu + [T] * (S + 1 - len(cu)))
         starts, tiles = device_plans(padded, T, cap.tiles)
-        assert torch.equal(starts, _document_starts(cu, "cpu"))
+        assert torch.equal(starts, document_starts(torch.tensor(cu), "cpu"))
         real = _fla_tiles(cu, T, "cpu")
         assert tiles.shape == (-(-T // FLA_CHUNK) + S - 1, 2)
         assert torch.equal(tiles[:len(real)], real)

@@ -24,7 +24,7 @@ from typing import NamedTuple
 from ...config import K3Config
 from ...ops._triton import triton_available
 from ...ops.max_logit import causal_max_logit
-from ...ops.varlen import GROUP_OVERHEAD, cached_plan, document_offsets, grouped_documents
+from ...ops.varlen import GROUP_OVERHEAD, cached_plan, document_starts, grouped_documents
 from ..fuse import fuse_linears, use_fused
 from ..norm import RMSNorm
 from .rope import rope_frequencies, rotary, softmax_scale
@@ -111,8 +111,7 @@ def documents_max_logit(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tens
     one kernel over the packed row, told each position's document start (``k3.ops.max_logit``); elsewhere the
     reference over the documents' length groups."""
     if q.is_cuda and triton_available():
-        starts = cached_plan(cu_seqlens, ("starts", q.device), lambda cu: _document_starts(cu, q.device))
-        return causal_max_logit(q, k, scale, starts)
+        return causal_max_logit(q, k, scale, document_starts(cu_seqlens, q.device))
     cu, plan = cached_plan(cu_seqlens, ("mla", overhead, q.device),
                            lambda cu: (cu, grouped_documents(cu, overhead, 2, q.device)))
     best = None
@@ -121,12 +120,6 @@ def documents_max_logit(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tens
         m = causal_max_logit(qg, kg, scale, valid=grp.valid)
         best = m if best is None else torch.maximum(best, m)
     return best
-
-
-def _document_starts(cu: list[int], device) -> torch.Tensor:
-    """Host cu_seqlens -> [T] on ``device``: the first position of each position's document."""
-    offsets, _, _ = document_offsets(cu, device)
-    return torch.arange(cu[-1] - cu[0], device=device) - offsets
 
 
 class GatedMLA(nn.Module):

@@ -2,7 +2,9 @@
 
 What is compiled, per decoder layer (the MTP layer's too): the FFN (a LatentMoE: router, latent projections,
 dispatch, expert matmuls, combine, norm and shared experts; or the dense GatedMLP), KDA's gated per-head output
-norm, every "attn_res" region (``k3.layers.regions``: the AttnRes mix and the sub-layer's pre-norm; on CUDA it is
+norm, MLA's two latent RMSNorms; the model's final norm and the MTP layers' input and head norms (each eager
+RMSNorm is ~8 fp32 kernels forward and ~10 backward over its rows, one fused kernel each way compiled); every
+"attn_res" region (``k3.layers.regions``: the AttnRes mix and the sub-layer's pre-norm; on CUDA it is
 one Triton kernel forward and backward, which runs as it is), every
 "kda_activations" region (the L2 norms, forget gate and beta between KDA's short convs and its recurrence) and the
 "lm_loss" region (a chunk's LM head and cross-entropy: the fp32 cast, log-softmax and gather fused over the bf16
@@ -26,6 +28,7 @@ __all__ = ["compile_model", "compiled_regions"]
 
 def compiled_regions(model: nn.Module) -> list[nn.Module]:
     """The modules ``compile_model`` compiles in place."""
+    from ..layers.norm import RMSNorm
     from ..model.block import DecoderLayer
 
     out = []
@@ -34,7 +37,9 @@ def compiled_regions(model: nn.Module) -> list[nn.Module]:
             out.append(layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp)
             if layer.kind == "kda":
                 out.append(layer.self_attn.o_norm)
-    return out
+    inside = {id(sub) for m in out for sub in m.modules()}
+    # every RMSNorm outside those (one AttnRes fuses into its mix, or only lends its weight, is never called)
+    return out + [m for m in model.modules() if isinstance(m, RMSNorm) and id(m) not in inside]
 
 
 def compile_model(model: nn.Module, **options) -> None:

@@ -45,8 +45,11 @@ def test_compiled_regions_give_the_eager_loss_and_gradients():
     previous = set_region_compiler(None)
     try:
         compile_model(model)
-        kinds = sorted(type(m).__name__ for m in compiled_regions(model))
-        assert kinds == ["GatedMLP", "LatentMoE", "_HeadNorm"]
+        kinds = sorted(set(type(m).__name__ for m in compiled_regions(model)))
+        assert kinds == ["GatedMLP", "LatentMoE", "RMSNorm", "_HeadNorm"]
+        norms = {n for n, m in model.named_modules() if m in compiled_regions(model) and type(m).__name__ == "RMSNorm"}
+        assert {"model.norm", "model.layers.1.self_attn.kv_a_layernorm"} <= norms  # the final norm, MLA's latent
+        assert not any(".block_sparse_moe." in n for n in norms)  # inside a compiled FFN: compiled with it
         compiler, seen = set_region_compiler(None), set()
         set_region_compiler(lambda name, fn: (seen.add(name), compiler(name, fn))[1])
         for _ in range(2):  # the compiling call, then the compiled graphs themselves

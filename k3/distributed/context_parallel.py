@@ -131,8 +131,7 @@ class ContextParallel:
     def _attend_kda(self, attn, x):
         """The KDA layer's own pieces around the halo'd convs (q, k, v stacked: one halo exchange) and the KCP
         recurrence."""
-        _, _, _, f, b, gate = attn.projections(x, qkv=False)
-        q, k, v = attn.conv_qkv(x, conv=self._conv)  # before the convs' SiLU: activations applies it
+        q, k, v, f, b, gate = attn.stateless_inputs(x, conv=self._conv)  # before the SiLU: activations applies it
         q, k, v, g, beta = attn.activations(q, k, v, f, b, conv_silu=True)
         o, _ = kcp_chunk_kda(q, k, v, g, beta, self.group, cu_seqlens=self.cu_local,
                              first_doc_continues=self.continues, backend=attn.backend,

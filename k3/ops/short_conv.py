@@ -180,7 +180,7 @@ def _fla(x, weight, state, cu_seqlens, output_final_state, activation):
         kw["chunk_indices"] = cached_plan(cu_seqlens, ("fla_conv_tiles", x.device),
                                           lambda cu: _fla_tiles(cu, T, x.device))
     h0 = F.pad(state, (1, 0)).to(x.dtype) if state is not None else None
-    y, final = conv(x, weight.view(D, W), initial_state=h0, output_final_state=output_final_state,
+    y, final = conv(x.contiguous(), weight.view(D, W), initial_state=h0, output_final_state=output_final_state,
                     activation="silu" if activation else None, cu_seqlens=cu_seqlens, **kw)
     return y, (final[..., 1:].to(x.dtype) if final is not None else None)
 

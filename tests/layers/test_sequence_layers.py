@@ -33,11 +33,11 @@ def test_kda_packed_documents_are_independent():
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_kda_stacked_qkv_equals_three_projections_and_convs(packed, monkeypatch):
-    """Without a decode state the layer projects q, k, v as one matmul and convolves them as one depthwise conv over
-    the stacked channels (``conv_qkv``, its SiLU applied after the conv in ``activations``): the output and every
-    gradient equal the per-projection path's (the stateful one, the SiLU inside each conv), and the short conv runs
-    once instead of three times."""
+def test_kda_stacked_inputs_equal_six_projections_and_three_convs(packed, monkeypatch):
+    """Without a decode state the layer makes every projection of x as one matmul and convolves q, k, v as one
+    depthwise conv over the stacked channels (``stateless_inputs``, the conv's SiLU applied in ``activations``): the
+    output and every gradient equal the per-projection path's (the stateful one, the SiLU inside each conv), and the
+    short conv runs once instead of three times."""
     import k3.layers.sequence.kda as kda_layer
 
     cfg = K3Config.preset("tiny")
@@ -59,8 +59,8 @@ def test_kda_stacked_qkv_equals_three_projections_and_convs(packed, monkeypatch)
     (y0, dx0, g0), (y1, dx1, g1) = outs
     torch.testing.assert_close(y0, y1, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(dx0, dx1, atol=1e-6, rtol=1e-5)
-    for n in g1:
-        torch.testing.assert_close(g0[n], g1[n], atol=1e-6, rtol=1e-5, msg=n)
+    for n in g1:  # one GEMM over the stacked weights sums in another order: fp32 rounding (measured 2.6e-6 at ~14)
+        torch.testing.assert_close(g0[n], g1[n], atol=1e-5, rtol=1e-5, msg=n)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "kimi-k2-like"])

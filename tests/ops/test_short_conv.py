@@ -130,7 +130,7 @@ def test_triton_kernels_equal_the_reference_with_gradients(W, layout):
     """k3's Triton kernels (training's stateless conv without activation; Triton's interpreter on CPU) equal the
     reference (both summing in fp32) in output and in the gradients of x and the weight: packed documents shorter than W, empty and longer
     than a time tile, a batch of rows (each its own document), one row; T and the channels not multiples of the
-    tiles; x a view into a wider row (conv_qkv's layout)."""
+    tiles; x a view into a wider row (``stateless_inputs``'s layout)."""
     from k3.ops.short_conv import _triton
 
     D, T = 150, 140

@@ -92,16 +92,16 @@ class KimiDeltaAttention(nn.Module):
     # The token mixer in three pieces, so that inference (paged, in-place state) and context parallelism
     # (halo'd convs, KCP) supply only the short convs and the recurrence: projections -> [convs] ->
     # activations -> [kernel] -> output.
-    def projections(self, x: torch.Tensor, project_f: bool = True, qkv: bool = True):
+    def projections(self, x: torch.Tensor, project_f: bool = True):
         """x [B,T,D] -> q, k, v before their short convs [B,T,H*K] each, the gate's raw input f [B,T,H,K]
         (before A_log and dt_bias), the raw beta logits b [B,T,H] and the output gate's logits [B,T,H*K].
         ``project_f=False``: f is the gate's low-rank input f_a [B,T,K] instead (the decode kernel applies
-        ``f_b_proj`` itself). ``qkv=False``: q, k, v are None (``conv_qkv`` makes them)."""
+        ``f_b_proj`` itself). Without a decode state ``stateless_inputs`` makes all of them in one matmul."""
         B, T, _ = x.shape
         if use_fused(self.in_proj):  # inference: one matmul for every projection of x
             q, k, v, fa, b, g = F.linear(x, self.in_proj).split(self._in_sizes, dim=-1)
         else:
-            q, k, v = (self.q_proj(x), self.k_proj(x), self.v_proj(x)) if qkv else (None, None, None)
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
             fa, b = self.f_a_proj(x), self.b_proj(x)
             g = self.g_proj(x) if hasattr(self, "g_proj") else self.g_a_proj(x)
         if not hasattr(self, "g_proj"):  # Kimi Linear's low-rank output gate
@@ -112,7 +112,7 @@ class KimiDeltaAttention(nn.Module):
 
     def activations(self, q, k, v, f, b, conv_silu: bool = False):
         """After the convs: per-head L2-normalised q, k and v [B,T,H,K], log-decay g [B,T,H,K] fp32, beta
-        [B,T,H] fp32. ``conv_silu``: q, k, v come before the short convs' SiLU (``conv_qkv``), applied here first.
+        [B,T,H] fp32. ``conv_silu``: q, k, v come before the short convs' SiLU (``stateless_inputs``), applied here first.
         A named region ("kda_activations"): ``k3 train --compile`` fuses its elementwise chains (the SiLU with
         the L2 norms)."""
         return region("kda_activations", _activations, q, k, v, f, b, self.A_log, self.dt_bias, self.num_heads,
@@ -135,20 +135,28 @@ class KimiDeltaAttention(nn.Module):
         o = self.o_norm(o, gate.view(B, T, H, K))
         return self.o_proj(o.reshape(B, T, H * K).to(gate.dtype))
 
-    def conv_qkv(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, conv=None):
-        """q, k, v after their short convs and before the convs' SiLU, stateless (training, a plain forward):
-        the three projections as one matmul over their stacked weights and the three depthwise convs as one over
-        the stacked channels (the same per-channel arithmetic; one launch each instead of three, forward and
-        backward) -> q, k, v [B,T,H*K], views of one [B,T,3*H*K] tensor. The SiLU is left to ``activations(...,
-        conv_silu=True)``, where it fuses with the L2 norms and the conv's backward has no activation to
-        recompute. ``conv(y, taps) -> y`` replaces the short conv, without its activation (context parallelism's
-        halo'd conv)."""
-        w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+    def stateless_inputs(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, conv=None):
+        """``projections`` and the short convs without a decode state (training, a plain forward), as ONE matmul over
+        the stacked weights of every projection of x (q, k, v, f_a, b and the output gate's first) and ONE depthwise
+        conv over the stacked q/k/v channels (the same per-channel arithmetic; one launch each instead of six and
+        three, forward and backward, and x's gradient one GEMM instead of four GEMMs and three adds) -> q, k, v
+        [B,T,H*K] after their convs and before the convs' SiLU (views of one tensor), f [B,T,H,K], b [B,T,H], gate
+        [B,T,H*K]. The SiLU is left to ``activations(..., conv_silu=True)``, where it fuses with the L2 norms and
+        the conv's backward has no activation to recompute. ``conv(y, taps) -> y`` replaces the short conv, without
+        its activation (context parallelism's halo'd conv)."""
+        B, T, _ = x.shape
+        gate_proj = self.g_proj if hasattr(self, "g_proj") else self.g_a_proj
+        projs = [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, gate_proj]
+        y = F.linear(x, torch.cat([p.weight for p in projs]))
+        qkv, fa, b, g = y.split([3 * self.q_proj.out_features, self.f_a_proj.out_features, self.b_proj.out_features,
+                                 gate_proj.out_features], dim=-1)
         taps = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
-        y = F.linear(x, w)
-        y = conv(y, taps) if conv is not None else short_conv(y, taps, None, cu_seqlens, False, activation=False,
-                                                              backend=self.backend)[0]
-        return y.split(self.q_proj.out_features, dim=-1)
+        qkv = conv(qkv, taps) if conv is not None else short_conv(qkv, taps, None, cu_seqlens, False,
+                                                                  activation=False, backend=self.backend)[0]
+        if not hasattr(self, "g_proj"):  # Kimi Linear's low-rank output gate
+            g = self.g_b_proj(g)
+        f = self.f_b_proj(fa).view(B, T, self.num_heads, self.head_dim)
+        return (*qkv.split(self.q_proj.out_features, dim=-1), f, b, g)
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, state: KDAState | None = None,
                 output_state: bool = False) -> tuple[torch.Tensor, KDAState | None]:
@@ -161,9 +169,8 @@ class KimiDeltaAttention(nn.Module):
             k, ck = self.k_conv1d(k, state and state.conv_k, cu_seqlens, want, self.backend)
             v, cv = self.v_conv1d(v, state and state.conv_v, cu_seqlens, want, self.backend)
         else:
-            _, _, _, f, b, gate = self.projections(x, qkv=False)
-            q, k, v = self.conv_qkv(x, cu_seqlens)
-        q, k, v, g, beta = self.activations(q, k, v, f, b, conv_silu=stateless)  # conv_qkv: before the SiLU
+            q, k, v, f, b, gate = self.stateless_inputs(x, cu_seqlens)
+        q, k, v, g, beta = self.activations(q, k, v, f, b, conv_silu=stateless)  # stateless: before the SiLU
         h0 = state.recurrent if state is not None else None
         if T == 1 and cu_seqlens is None:  # one token: the recurrence itself on a fixed-size state
             o, hT = kda_ops.recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=want,

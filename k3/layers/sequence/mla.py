@@ -162,9 +162,10 @@ class GatedMLA(nn.Module):
         if use_fused(self.in_proj):  # inference: one matmul for every projection of x
             parts = F.linear(x, self.in_proj).split(self._in_sizes, dim=-1)
             q, kv, gate = parts[0], parts[1], parts[2] if len(parts) > 2 else None
-        else:
-            q, kv = first(x), self.kv_a_proj_with_mqa(x)
-            gate = self.g_proj(x) if self.g_proj is not None else None
+        else:  # the same projections as one matmul over their stacked weights (x's gradient one GEMM, no adds)
+            projs = [first, self.kv_a_proj_with_mqa] + ([self.g_proj] if self.g_proj is not None else [])
+            parts = F.linear(x, torch.cat([p.weight for p in projs])).split([p.out_features for p in projs], dim=-1)
+            q, kv, gate = parts[0], parts[1], parts[2] if len(parts) > 2 else None
         if hasattr(self, "q_a_proj"):
             q = self.q_b_proj(self.q_a_layernorm(q))
         q_nope, q_pe = q.view(B, T, self.num_heads, self.nope + self.pe).split([self.nope, self.pe], dim=-1)

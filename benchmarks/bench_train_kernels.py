@@ -29,9 +29,10 @@ from benchmarks.common import graph_time_us, header  # noqa: E402
 from k3 import K3Config  # noqa: E402
 
 
-def conv_rows(cfg: K3Config, T: int, cu: torch.Tensor, bandwidth: float) -> list[dict]:
+def conv_rows(cfg: K3Config, T: int, cu: torch.Tensor, bandwidth: float, configs: list[str]) -> list[dict]:
     from fla.modules.causal_conv1d import causal_conv1d
 
+    from k3.ops import _short_conv_triton as kernels
     from k3.ops.short_conv import _fla_tiles, _triton
     from k3.ops.varlen import document_starts
 
@@ -49,14 +50,29 @@ def conv_rows(cfg: K3Config, T: int, cu: torch.Tensor, bandwidth: float) -> list
         y, _ = causal_conv1d(x, w.view(C, W).to(x.dtype), activation=None, cu_seqlens=cu, chunk_indices=tiles)
         torch.autograd.grad(y, [x, w], dy)
 
+    def k3_fwd():
+        with torch.no_grad():
+            _triton(x, w, cu)
+
+    def fla_fwd():
+        with torch.no_grad():
+            causal_conv1d(x, w.view(C, W).to(x.dtype), activation=None, cu_seqlens=cu, chunk_indices=tiles)
+
     y_k3 = _triton(x, w, cu)
     y_fla, _ = causal_conv1d(x, w.view(C, W).to(x.dtype), activation=None, cu_seqlens=cu, chunk_indices=tiles)
     err = ((y_k3.float() - y_fla.float()).norm() / y_fla.float().norm()).item()
-    floor = 5 * T * C * 2 / (bandwidth * 1e12) * 1e3
+    floors = {"conv fwd+bwd": 5 * T * C * 2 / (bandwidth * 1e12) * 1e3, "conv fwd": 2 * T * C * 2 / (bandwidth * 1e12) * 1e3}
     rows = []
-    for name, fn in (("k3 Triton", k3_step), ("fla causal_conv1d", fla_step)):
-        rows.append({"op": "conv fwd+bwd", "impl": name, "channels": C, "ms": graph_time_us(fn) / 1e3,
-                     "floor_ms": floor, "rel_err_vs_fla": err})
+    default = (kernels.BT, kernels.BC, kernels.WARPS)
+    for conf in configs or [f"{default[0]}x{default[1]}x{default[2]}"]:  # tokens x channels x warps per program
+        kernels.BT, kernels.BC, kernels.WARPS = (int(v) for v in conf.split("x"))
+        for op, fn in (("conv fwd+bwd", k3_step), ("conv fwd", k3_fwd)):
+            rows.append({"op": op, "impl": f"k3 Triton {conf}", "channels": C, "ms": graph_time_us(fn) / 1e3,
+                         "floor_ms": floors[op], "rel_err_vs_fla": err})
+    kernels.BT, kernels.BC, kernels.WARPS = default
+    for op, fn in (("conv fwd+bwd", fla_step), ("conv fwd", fla_fwd)):
+        rows.append({"op": op, "impl": "fla causal_conv1d", "channels": C, "ms": graph_time_us(fn) / 1e3,
+                     "floor_ms": floors[op], "rel_err_vs_fla": err})
     return rows
 
 
@@ -103,6 +119,8 @@ def main():
     ap.add_argument("--batch", type=int, default=8, help="documents in the packed row")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--bandwidth", type=float, default=4.8, help="HBM TB/s for the conv's floor")
+    ap.add_argument("--conv-configs", default="", help="k3's conv kernels at these tiles, e.g. 64x128x4,32x128x4 "
+                    "(tokens x channels x warps per program); default: the module's")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -112,7 +130,8 @@ def main():
     rows = []
     for preset in args.presets.split(","):
         cfg = K3Config.preset(preset)
-        for r in conv_rows(cfg, T, cu, args.bandwidth) + attention_rows(cfg, T, cu, args.seq_len):
+        configs = [c for c in args.conv_configs.split(",") if c]
+        for r in conv_rows(cfg, T, cu, args.bandwidth, configs) + attention_rows(cfg, T, cu, args.seq_len):
             r["preset"] = preset
             rows.append(r)
             print(json.dumps(r), flush=True)

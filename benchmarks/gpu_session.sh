@@ -13,7 +13,8 @@
 #   under keep when it fits, else efficient).
 #   DECODE_ARGS adds bench_decode arguments (e.g. --sections k3,ttft,peer --batches 1,32); QUANT_ARGS adds
 #   bench_quant arguments (e.g. --decode-presets small,medium); POST_ARGS replaces post's sizes (post_demo arguments);
-#   MEMORY_ARGS replaces memory's batch and length (bench_memory arguments); KTRAIN_ARGS ktrain's steps and flags.
+#   MEMORY_ARGS replaces memory's batch and length (bench_memory arguments); KTRAIN_ARGS ktrain's steps and flags;
+#   TKERN_ARGS adds bench_train_kernels arguments (e.g. --conv-configs 64x128x4,32x128x4).
 set -u
 OUT=${OUT:-/tmp/k3-gpu}
 mkdir -p "$OUT/logs"
@@ -77,7 +78,7 @@ for s in $steps; do
     # AttnRes's kernels: the training forward/backward (the backward's column-kernel tiles), the inference row kernel
     attnres) timeout ${T_ATTNRES:-240} python3 benchmarks/bench_attn_res.py --json "$L/bench_attn_res.json" 2>&1 | tee "$L/bench_attn_res.log" ;;
     # the optimiser step of small and medium: Muon's fused passes against their torch-op reference (GPU test first)
-    tkern)  timeout ${T_TKERN:-240} bash -c "python3 -m pytest -q -p no:cacheprovider -W ignore tests/ops/test_short_conv.py tests/ops/test_max_logit.py tests/ops/test_linear_ce.py; python3 benchmarks/bench_train_kernels.py --json $L/bench_train_kernels.json" 2>&1 | tee "$L/bench_train_kernels.log" ;;
+    tkern)  timeout ${T_TKERN:-240} bash -c "python3 -m pytest -q -p no:cacheprovider -W ignore tests/ops/test_short_conv.py tests/ops/test_max_logit.py tests/ops/test_linear_ce.py; python3 benchmarks/bench_train_kernels.py ${TKERN_ARGS:-} --json $L/bench_train_kernels.json" 2>&1 | tee "$L/bench_train_kernels.log" ;;
     muon)   timeout ${T_MUON:-150} bash -c "python3 -m pytest -q -p no:cacheprovider -W ignore tests/ops/test_muon_step.py; python3 benchmarks/bench_muon.py --json $L/bench_muon.json" 2>&1 | tee "$L/bench_muon.log" ;;
     kda)    timeout ${T_KDA:-420} python3 benchmarks/bench_kda.py --json "$L/bench_kda.json" 2>&1 | tee "$L/bench_kda.log" ;;
     # the suite checks the distributed logic with the reference KDA kernels (no fla autotuning in every spawned

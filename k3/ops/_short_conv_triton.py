@@ -74,7 +74,7 @@ def _bwd_kernel(X, Wt, STARTS, DY, DX, DW, T, C, SEG, stride_x, stride_dy, strid
              mask=mt[:, None] & mc[None, :])
 
 
-BT, BC = 64, 128
+BT, BC, WARPS = 64, 128, 4  # tokens and channels per program, warps per program
 
 
 def forward(x: torch.Tensor, w: torch.Tensor, starts: torch.Tensor | None, seg: int) -> torch.Tensor:
@@ -83,7 +83,7 @@ def forward(x: torch.Tensor, w: torch.Tensor, starts: torch.Tensor | None, seg: 
     y = torch.empty(T, C, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(T, BT), triton.cdiv(C, BC))
     _fwd_kernel[grid](x, w, starts if starts is not None else x, y, T, C, seg, x.stride(0), y.stride(0),
-                      W=w.shape[1], HAS_STARTS=starts is not None, BT=BT, BC=BC, num_warps=4)
+                      W=w.shape[1], HAS_STARTS=starts is not None, BT=BT, BC=BC, num_warps=WARPS)
     return y
 
 
@@ -97,5 +97,5 @@ def backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, starts: torch.T
     dw = torch.empty(tiles, W, C, dtype=torch.float32, device=x.device)
     _bwd_kernel[(tiles, triton.cdiv(C, BC))](x, w, starts if starts is not None else x, dy, dx, dw, T, C, seg,
                                              x.stride(0), dy.stride(0), dx.stride(0), W=W,
-                                             HAS_STARTS=starts is not None, BT=BT, BC=BC, num_warps=4)
+                                             HAS_STARTS=starts is not None, BT=BT, BC=BC, num_warps=WARPS)
     return dx, dw.sum(0).t()

@@ -34,7 +34,7 @@ def test_kda_packed_documents_are_independent():
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_kda_stacked_inputs_equal_six_projections_and_three_convs(packed, monkeypatch):
-    """Without a decode state the layer makes every projection of x as one matmul and convolves q, k, v as one
+    """Without a decode state the layer makes the projections of x in two matmuls and convolves q, k, v as one
     depthwise conv over the stacked channels (``stateless_inputs``, the conv's SiLU applied in ``activations``): the
     output and every gradient equal the per-projection path's (the stateful one, the SiLU inside each conv), and the
     short conv runs once instead of three times."""

@@ -136,27 +136,28 @@ class KimiDeltaAttention(nn.Module):
         return self.o_proj(o.reshape(B, T, H * K).to(gate.dtype))
 
     def stateless_inputs(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, conv=None):
-        """``projections`` and the short convs without a decode state (training, a plain forward), as ONE matmul over
-        the stacked weights of every projection of x (q, k, v, f_a, b and the output gate's first) and ONE depthwise
-        conv over the stacked q/k/v channels (the same per-channel arithmetic; one launch each instead of six and
-        three, forward and backward, and x's gradient one GEMM instead of four GEMMs and three adds) -> q, k, v
-        [B,T,H*K] after their convs and before the convs' SiLU (views of one tensor), f [B,T,H,K], b [B,T,H], gate
-        [B,T,H*K]. The SiLU is left to ``activations(..., conv_silu=True)``, where it fuses with the L2 norms and
-        the conv's backward has no activation to recompute. ``conv(y, taps) -> y`` replaces the short conv, without
-        its activation (context parallelism's halo'd conv)."""
+        """``projections`` and the short convs without a decode state (training, a plain forward): q, k, v, f_a and
+        the output gate's first projection as ONE matmul over their stacked weights, and ONE depthwise conv over the
+        stacked q/k/v channels (the same per-channel arithmetic; one launch each instead of five and three, forward
+        and backward, and x's gradient two GEMMs instead of six and five adds). b_proj (H outputs) stays its own
+        matmul: with it the stacked width is not a multiple of 8 and cuBLAS falls back to slow unaligned kernels.
+        -> q, k, v [B,T,H*K] after their convs and before the convs' SiLU (views of one tensor), f [B,T,H,K], b
+        [B,T,H], gate [B,T,H*K]. The SiLU is left to ``activations(..., conv_silu=True)``, where it fuses with the
+        L2 norms and the conv's backward has no activation to recompute. ``conv(y, taps) -> y`` replaces the short
+        conv, without its activation (context parallelism's halo'd conv)."""
         B, T, _ = x.shape
         gate_proj = self.g_proj if hasattr(self, "g_proj") else self.g_a_proj
-        projs = [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, gate_proj]
+        projs = [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate_proj]
         y = F.linear(x, torch.cat([p.weight for p in projs]))
-        qkv, fa, b, g = y.split([3 * self.q_proj.out_features, self.f_a_proj.out_features, self.b_proj.out_features,
-                                 gate_proj.out_features], dim=-1)
+        qkv, fa, g = y.split([3 * self.q_proj.out_features, self.f_a_proj.out_features, gate_proj.out_features],
+                             dim=-1)
         taps = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
         qkv = conv(qkv, taps) if conv is not None else short_conv(qkv, taps, None, cu_seqlens, False,
                                                                   activation=False, backend=self.backend)[0]
         if not hasattr(self, "g_proj"):  # Kimi Linear's low-rank output gate
             g = self.g_b_proj(g)
         f = self.f_b_proj(fa).view(B, T, self.num_heads, self.head_dim)
-        return (*qkv.split(self.q_proj.out_features, dim=-1), f, b, g)
+        return (*qkv.split(self.q_proj.out_features, dim=-1), f, self.b_proj(x), g)
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, state: KDAState | None = None,
                 output_state: bool = False) -> tuple[torch.Tensor, KDAState | None]:

@@ -1,5 +1,5 @@
-"""The training step's own kernels against what they replace or are bounded by, one op at a time: device time per
-call, each op captured 20 times in a CUDA graph and replayed (no host time, as in a graphed training step).
+"""The training step's own kernels against what they replace or are bounded by, one op at a time: time per call over
+20 calls back to back between CUDA events (the host queues ahead of the device: device time, as in a graphed step).
 
     python benchmarks/bench_train_kernels.py --presets small,medium --json out.json
 
@@ -25,8 +25,15 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from benchmarks.common import graph_time_us, header  # noqa: E402
+from benchmarks.common import cuda_time_ms, header  # noqa: E402
 from k3 import K3Config  # noqa: E402
+
+
+def per_call_ms(fn, calls: int = 20) -> float:
+    def many():
+        for _ in range(calls):
+            fn()
+    return cuda_time_ms(many, warmup=1, iters=5) / calls
 
 
 def conv_rows(cfg: K3Config, T: int, cu: torch.Tensor, bandwidth: float, configs: list[str]) -> list[dict]:
@@ -67,11 +74,11 @@ def conv_rows(cfg: K3Config, T: int, cu: torch.Tensor, bandwidth: float, configs
     for conf in configs or [f"{default[0]}x{default[1]}x{default[2]}"]:  # tokens x channels x warps per program
         kernels.BT, kernels.BC, kernels.WARPS = (int(v) for v in conf.split("x"))
         for op, fn in (("conv fwd+bwd", k3_step), ("conv fwd", k3_fwd)):
-            rows.append({"op": op, "impl": f"k3 Triton {conf}", "channels": C, "ms": graph_time_us(fn) / 1e3,
+            rows.append({"op": op, "impl": f"k3 Triton {conf}", "channels": C, "ms": per_call_ms(fn),
                          "floor_ms": floors[op], "rel_err_vs_fla": err})
     kernels.BT, kernels.BC, kernels.WARPS = default
     for op, fn in (("conv fwd+bwd", fla_step), ("conv fwd", fla_fwd)):
-        rows.append({"op": op, "impl": "fla causal_conv1d", "channels": C, "ms": graph_time_us(fn) / 1e3,
+        rows.append({"op": op, "impl": "fla causal_conv1d", "channels": C, "ms": per_call_ms(fn),
                      "floor_ms": floors[op], "rel_err_vs_fla": err})
     return rows
 
@@ -101,12 +108,12 @@ def attention_rows(cfg: K3Config, T: int, cu: torch.Tensor, longest: int) -> lis
 
     flops = 2 * H * sum((b - a) ** 2 for a, b in zip(cu.tolist(), cu.tolist()[1:])) / 2 * Dk  # QK^T, causal
     rows = [{"op": "max logit", "impl": "k3 Triton", "qk_tflops": flops,
-             "ms": graph_time_us(lambda: causal_max_logit(qh, kh, scale, starts)) / 1e3},
+             "ms": per_call_ms(lambda: causal_max_logit(qh, kh, scale, starts))},
             {"op": "max logit", "impl": "flash varlen forward (bound)", "qk_tflops": flops,
-             "ms": graph_time_us(lambda: fwd(longest)) / 1e3}]
+             "ms": per_call_ms(lambda: fwd(longest))}]
     for name, m in (("longest document", longest), ("row length", T)):
         rows.append({"op": "varlen fwd+bwd", "impl": f"max_seqlen = {name} ({m})",
-                     "ms": graph_time_us(lambda m=m: fwd_bwd(m)) / 1e3})
+                     "ms": per_call_ms(lambda m=m: fwd_bwd(m))})
     for r in rows:
         if "qk_tflops" in r:
             r["qk_tflops"] = r["qk_tflops"] / (r["ms"] / 1e3) / 1e12

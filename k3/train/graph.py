@@ -15,9 +15,7 @@ cu_seqlens (one pinned copy of S + 1 integers, ``device_plans``):
   - cu_seqlens itself, padded with empty documents to the slots (fla's KDA builds its chunk list on the device
     from it, ``use_graph``, in a fixed shape, skipping the spare rows);
   - MLA's flash varlen call takes the row's length as its maximum (the spare documents and blocks exit at once);
-  - QK-clip's max-logit kernel reads each position's document start, [T];
-  - fla's short conv reads its (document, tile) list, [ceil(T/64) + slots - 1, 2], the spare rows pointing at the
-    last slot, always empty (a tile of an empty document writes nothing and adds 0 to the weight's gradient).
+  - QK-clip's max-logit kernel and the short conv's kernels read each position's document start, [T].
 A plan of any other kind would need host values the graph does not have: the capture fails saying so. A micro-
 batch beyond the capacity (more documents, another token shape) is captured again, for a capacity that covers both
 (the slots only grow, so a run captures a few times at most).
@@ -47,7 +45,6 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import varlen
-from ..ops.short_conv import FLA_CHUNK
 
 __all__ = ["StepGraph", "Capacity", "graph_unsupported", "layout", "device_plans"]
 
@@ -104,29 +101,13 @@ class Capacity:
     def fits(self, shapes: tuple, cu: list[int]) -> bool:
         return shapes == self.shapes and len(cu) <= self.documents
 
-    @property
-    def tiles(self) -> int:
-        """Rows of the short conv's (document, tile) list: enough for any cu_seqlens of ``documents`` slots."""
-        return -(-self.tokens // FLA_CHUNK) + self.documents - 1
 
+def device_plans(cu: torch.Tensor, tokens: int) -> torch.Tensor:
+    """From a padded cu_seqlens [S+1] on any device, in a fixed shape and without reading its values back: each
+    position's document start [tokens] (QK-clip's kernel, the short conv's).
 
-def device_plans(cu: torch.Tensor, tokens: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """From a padded cu_seqlens [S+1] on any device, in fixed shapes and without reading its values back: each
-    position's document start [tokens] (QK-clip's kernel) and the short conv's (document, tile within it) rows
-    [tiles, 2] (fla's), the rows past the real tiles on the last slot, which is always empty.
-
-        start(t) = cu[d(t)],  d(t) = #{i : cu_i <= t} - 1       (an empty document's start equals the next one's)
-        n_d = ceil((cu_{d+1} - cu_d) / 64) tiles for document d, c = cumsum(n); row r is tile r - (c_d - n_d) of
-        the document d with c_{d-1} <= r < c_d"""
-    S = cu.numel() - 1
-    starts = cu[torch.searchsorted(cu, torch.arange(tokens, device=cu.device), right=True) - 1]
-    per_doc = (cu.diff() + FLA_CHUNK - 1) // FLA_CHUNK
-    cum = per_doc.cumsum(0)
-    r = torch.arange(tiles, device=cu.device)
-    doc = torch.searchsorted(cum, r, right=True).clamp_(max=S - 1)
-    real = r < cum[-1]
-    rows = torch.stack([torch.where(real, doc, S - 1), torch.where(real, r - (cum[doc] - per_doc[doc]), 0)], dim=1)
-    return starts, rows
+        start(t) = cu[d(t)],  d(t) = #{i : cu_i <= t} - 1       (an empty document's start equals the next one's)"""
+    return cu[torch.searchsorted(cu, torch.arange(tokens, device=cu.device), right=True) - 1]
 
 
 class _NoHostValues:
@@ -150,10 +131,9 @@ class _Buffers:
 
     def __init__(self, cap: Capacity, placed, device):
         T, S = cap.tokens, cap.documents
-        self.flat = torch.zeros(S + 1 + T + 2 * cap.tiles, dtype=torch.long, device=device)
+        self.flat = torch.zeros(S + 1 + T, dtype=torch.long, device=device)
         self.cu = self.flat[:S + 1]
-        self.starts = self.flat[S + 1:S + 1 + T]
-        self.tiles = self.flat[S + 1 + T:].view(cap.tiles, 2)
+        self.starts = self.flat[S + 1:]
         self.input_ids = placed.input_ids.clone()
         self.labels = self.input_ids if placed.labels is placed.input_ids else placed.labels.clone()
         self.placed = dataclasses.replace(placed, input_ids=self.input_ids, labels=self.labels, cu_seqlens=self.cu)
@@ -163,8 +143,7 @@ class _Buffers:
         cu, dev = self.cu, self.cu.device
         varlen.register_plans(cu, _NoHostValues("no host values"), {
             ("longest",): (None, cap.tokens),  # MLA's flash varlen maximum (k3.layers.sequence.mla.attend_varlen)
-            ("starts", dev): self.starts,  # QK-clip's max-logit kernel (documents_max_logit)
-            ("fla_conv_tiles", dev): self.tiles,  # fla's short conv (k3.ops.short_conv._fla)
+            ("starts", dev): self.starts,  # QK-clip's max-logit kernel, the short conv's (k3.ops.varlen.document_starts)
         })
 
     def fill(self, cap: Capacity, batch: dict, cu: list[int]) -> None:
@@ -175,9 +154,7 @@ class _Buffers:
             raise ValueError(f"cu_seqlens must rise from 0 to the {T} packed tokens; got {cu[:8]}...")
         padded = torch.tensor(cu + [T] * (S + 1 - len(cu)), dtype=torch.long)
         self.cu.copy_(padded.pin_memory() if self.cu.is_cuda else padded, non_blocking=True)
-        starts, rows = device_plans(self.cu, T, cap.tiles)
-        self.starts.copy_(starts)
-        self.tiles.copy_(rows)
+        self.starts.copy_(device_plans(self.cu, T))
         for src, dst in ((batch["input_ids"], self.input_ids), (batch.get("labels"), self.labels)):
             if src is not None:
                 dst.copy_(src.pin_memory() if src.device.type == "cpu" and dst.is_cuda else src, non_blocking=True)

@@ -52,12 +52,11 @@ def test_a_capacity_covers_any_boundaries_up_to_its_slots_and_image_batches_are_
 
 
 def test_device_plans_are_the_host_plans_in_a_fixed_shape():
-    """The plans the graph's buffers hold, built from the padded cu_seqlens alone (``device_plans``: fixed shapes,
-    no read-back), are for any boundaries what the layers' own planners build from host values: each position's
-    document start (QK-clip's kernel) and fla's short-conv tiles, the spare rows on the always-empty last slot;
-    empty documents (at the start, inside, at the end) included."""
+    """The plan the graph's buffers hold, built from the padded cu_seqlens alone (``device_plans``: a fixed shape,
+    no read-back), is for any boundaries what the layers' own planner builds from host values: each position's
+    document start (QK-clip's kernel, the short conv's); empty documents (at the start, inside, at the end)
+    included."""
     from k3.ops.varlen import document_starts
-    from k3.ops.short_conv import FLA_CHUNK, _fla_tiles
 
     T = 300
     cap = Capacity((), T, 16)
@@ -65,13 +64,8 @@ def test_device_plans_are_the_host_plans_in_a_fixed_shape():
     layouts = ([0, T], [0, 64, 65, 200, T], [0, 10, 10, 129, T], [0, 0, 64, 128, T, T], list(range(0, T, 20)) + [T])
     for cu in layouts:
         padded = torch.tensor(cu + [T] * (S + 1 - len(cu)))
-        starts, tiles = device_plans(padded, T, cap.tiles)
-        assert torch.equal(starts, document_starts(torch.tensor(cu), "cpu"))
-        real = _fla_tiles(cu, T, "cpu")
-        assert tiles.shape == (-(-T // FLA_CHUNK) + S - 1, 2)
-        assert torch.equal(tiles[:len(real)], real)
-        assert (tiles[len(real):, 0] == S - 1).all() and (tiles[len(real):, 1] == 0).all()
-        assert padded[S - 1] == padded[S] == T  # the spare rows' slot is empty
+        assert torch.equal(device_plans(padded, T), document_starts(torch.tensor(cu), "cpu"))
+        assert padded[S - 1] == padded[S] == T  # the spare slots are empty
 
 
 def test_the_buffers_take_each_batch_and_refuse_boundaries_that_do_not_cover_the_row():
@@ -84,16 +78,15 @@ def test_the_buffers_take_each_batch_and_refuse_boundaries_that_do_not_cover_the
     first = {"input_ids": torch.arange(T)[None], "cu_seqlens": torch.tensor([0, 64, T])}
     cap = Capacity.covering(*layout(first))
     buffers = _Buffers(cap, plan.place(first), torch.device("cpu"))
-    views = (buffers.cu.data_ptr(), buffers.starts.data_ptr(), buffers.tiles.data_ptr())
+    views = (buffers.cu.data_ptr(), buffers.starts.data_ptr())
     for cu in ([0, 64, T], [0, 5, 5, 100, T]):
         batch = {"input_ids": torch.arange(T)[None] + len(cu), "cu_seqlens": torch.tensor(cu)}
         buffers.fill(cap, batch, cu)
         assert torch.equal(buffers.input_ids, batch["input_ids"]) and buffers.labels is buffers.input_ids
         padded = torch.tensor(cu + [T] * (cap.documents + 1 - len(cu)))
         assert torch.equal(buffers.cu, padded)
-        starts, tiles = device_plans(padded, T, cap.tiles)
-        assert torch.equal(buffers.starts, starts) and torch.equal(buffers.tiles, tiles)
-    assert (buffers.cu.data_ptr(), buffers.starts.data_ptr(), buffers.tiles.data_ptr()) == views  # in place
+        assert torch.equal(buffers.starts, device_plans(padded, T))
+    assert (buffers.cu.data_ptr(), buffers.starts.data_ptr()) == views  # in place
     with pytest.raises(ValueError, match="rise from 0 to the 128"):
         buffers.fill(cap, first, [0, 100])
 

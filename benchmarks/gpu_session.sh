@@ -18,6 +18,8 @@
 set -u
 OUT=${OUT:-/tmp/k3-gpu}
 mkdir -p "$OUT/logs"
+# an earlier invocation in the same $OUT packed its logs and removed them: unpack them, so this one's pack keeps both
+[ -f "$OUT/gpu_session.tgz" ] && tar xzf "$OUT/gpu_session.tgz" -C "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then  # once per machine: two sessions side by side (one per GPU) share it
   [ -d /tmp/site/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl
@@ -87,7 +89,7 @@ for s in $steps; do
     flacp)  timeout ${T_FLACP:-420} python3 -m pytest -q -s -p no:cacheprovider -W ignore tests/gpu/test_fla_cp.py 2>&1 | tee "$L/fla_cp_test.log" ;;
     kcp)    for r in 1 $NGPU; do timeout ${T_KCP:-300} $TR $r benchmarks/bench_kcp.py --json "$L/bench_kcp_r$r.json" 2>&1 | tee "$L/bench_kcp_r$r.log"; done ;;
     scale)  timeout ${T_SCALE:-540} python3 benchmarks/bench_scale.py --gpus $NGPU --json "$L/bench_scale.json" 2>&1 | tee "$L/bench_scale.log" ;;
-    *) echo "unknown step $s (tests serve decode train trainc ktrain profile memory cp kda kdadec attnres muon packed quant qdecode post nccl flacp kcp scale)"; exit 2 ;;
+    *) echo "unknown step $s (tests serve decode train trainc ktrain profile memory cp kda kdadec attnres tkern muon packed quant qdecode post nccl flacp kcp scale)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/gpu_session.tgz" -C "$OUT" logs && rm -rf "$L"

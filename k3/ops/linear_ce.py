@@ -12,10 +12,11 @@
 
 The backward only scales dh and dW by the loss's incoming gradient (a scalar). Three GEMMs per chunk, where
 computing the chunk's logits under activation checkpointing takes four (forward, recompute, two gradients), and a
-chunk's [n,V] logits never outlive it (Liger-Kernel's fused linear cross-entropy does the same). The per-chunk
-math is the "lm_loss" region: plain torch ops, which ``k3 train --compile`` compiles (the fp32 cast, log-sum-exp,
-pick and softmax gradient as one reduction over the logits and a scatter of the n target entries, beside cuBLAS's
-GEMMs); eager, a chunk holds its logits and one fp32 temporary.
+chunk's [n,V] logits never outlive it (Liger-Kernel's fused linear cross-entropy does the same). The chunk's
+logits and G are the "lm_loss" region: plain torch ops, which ``k3 train --compile`` compiles (GEMM 1 beside the
+fp32 cast, log-sum-exp, pick and softmax gradient as one reduction over the logits and a scatter of the n target
+entries); GEMMs 2 and 3 follow it, dh written into its rows of the result; eager, a chunk holds its logits and one
+fp32 temporary.
 
 Equivalence (tests/ops/test_linear_ce.py): loss, dh and dW equal autograd through ``F.cross_entropy(h @ W.T,
 reduction="sum")`` to float rounding, at any chunk size.

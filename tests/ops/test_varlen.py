@@ -120,3 +120,17 @@ def test_placed_cu_seqlens_carry_their_host_values():
     assert torch.equal(placed, cu) and placed is not cu and placed.dtype == cu.dtype
     assert known_host_values(placed) == [0, 5, 9, 16] and known_host_values(cu.clone()) is None
     assert cached_plan(placed, ("test",), lambda host: host) == [0, 5, 9, 16]
+
+
+def test_document_starts_per_position_once_per_tensor_and_named_errors():
+    """Each packed position's document start (empty documents take no position), built once per cu_seqlens tensor
+    (the layers of a step share it); boundaries that do not rise from 0 are refused, naming them."""
+    from k3.ops.varlen import document_starts
+
+    cu = torch.tensor([0, 3, 3, 7, 8])
+    starts = document_starts(cu, "cpu")
+    assert starts.tolist() == [0, 0, 0, 3, 3, 3, 3, 7]
+    assert document_starts(cu, "cpu") is starts
+    for bad in ([0, 5, 4], [1, 4], [0]):
+        with pytest.raises(ValueError, match=r"rise from 0 .* got \[" + str(bad[0])):
+            document_starts(torch.tensor(bad), "cpu")

@@ -6,16 +6,18 @@ names (checkpoints, optimisers and training see no difference), and ``F.linear(x
 ``cat([l(x) for l in linears], -1)``. ``fuse_linears(..., by_input=True)`` does the same for Linears whose
 outputs are summed, by columns: ``F.linear(cat(xs, -1), fused)`` equals ``sum(l(x) for l, x in zip(linears,
 xs))`` (the views are then column slices, not contiguous).
-Layers use the fused tensor only when no gradient is needed (``use_fused``); with gradients they call their
-Linears as before, which update the same storage.
+Layers use the fused tensor only when no gradient is needed (``use_fused``); with gradients (training) they call
+``stacked_linear``: the same one matmul over the Linears' weights concatenated for that call, so x's gradient is
+one GEMM too.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["fuse_linears", "use_fused"]
+__all__ = ["fuse_linears", "use_fused", "stacked_linear"]
 
 
 @torch.no_grad()
@@ -38,3 +40,12 @@ def fuse_linears(linears: list[nn.Linear], by_input: bool = False) -> tuple[torc
 
 def use_fused(fused: torch.Tensor | None) -> bool:
     return fused is not None and not torch.is_grad_enabled()
+
+
+def stacked_linear(x: torch.Tensor, linears: list[nn.Linear],
+                   sizes: list[int] | None = None) -> tuple[torch.Tensor, ...]:
+    """``tuple(l(x) for l in linears)`` (bias-free Linears of one input) as one matmul over their weights stacked by
+    rows: views of one output, split by ``sizes`` (default: each Linear's; adjacent outputs may be kept together).
+    Keep the summed width a multiple of 8 for cuBLAS (an unaligned width runs its slow align-2 kernels)."""
+    y = F.linear(x, torch.cat([lin.weight for lin in linears]))
+    return y.split(sizes if sizes is not None else [lin.out_features for lin in linears], -1)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import triton_available
-from .varlen import _to_device, cached_plan, document_offsets, document_starts
+from .varlen import _to_device, cached_plan, check_cu_seqlens, document_offsets, document_starts
 
 __all__ = ["short_conv"]
 
@@ -187,12 +187,11 @@ def _fla(x, weight, state, cu_seqlens, output_final_state, activation):
 
 def _fla_tiles(cu, T, device):
     """[tiles, 2] (document, tile within it) for fla's varlen kernels, from host cu_seqlens."""
-    _offsets(cu, T, device)  # the same validation as the reference's
+    check_cu_seqlens(cu, T, "short_conv: ")
     pairs = [(n, i) for n, (a, b) in enumerate(zip(cu, cu[1:])) for i in range(-(-(b - a) // FLA_CHUNK))]
     return _to_device([torch.tensor(pairs, dtype=torch.long).view(-1, 2)], device)[0]
 
 
 def _offsets(cu, T, device):
-    if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"short_conv: cu_seqlens must rise from 0 to the {T} packed tokens; got {cu}")
+    check_cu_seqlens(cu, T, "short_conv: ")
     return document_offsets(cu, device)

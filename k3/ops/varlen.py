@@ -14,7 +14,8 @@ import torch
 
 __all__ = ["pack_sequences", "unpack_sequences", "document_ids", "same_document", "length_groups", "PaddedRows",
            "GroupedDocuments", "padded_documents", "grouped_documents", "cached_plan", "place_cu_seqlens",
-           "known_host_values", "register_plans", "plans_of", "document_offsets", "document_starts", "GROUP_OVERHEAD"]
+           "known_host_values", "register_plans", "plans_of", "document_offsets", "document_starts",
+           "check_cu_seqlens", "GROUP_OVERHEAD"]
 
 # a padded group's fixed cost in token^2 (gather, attention call, scatter), against count x longest^2 for its work
 GROUP_OVERHEAD = 512 ** 2
@@ -236,13 +237,21 @@ def known_host_values(cu_seqlens: torch.Tensor) -> list[int] | None:
     return _lookup(cu_seqlens, _HOST)
 
 
+def check_cu_seqlens(cu: Sequence[int], tokens: int | None = None, who: str = "") -> None:
+    """Refuse host cu_seqlens that do not rise from 0 (to ``tokens`` when given), naming them; ``who`` prefixes the
+    message."""
+    if len(cu) < 2 or cu[0] != 0 or (tokens is not None and cu[-1] != tokens) or any(b < a for a, b in zip(cu, cu[1:])):
+        to = f"the {tokens}" if tokens is not None else "the number of"
+        shown = f"{list(cu[:8])}..." if len(cu) > 8 else f"{list(cu)}"
+        raise ValueError(f"{who}cu_seqlens must rise from 0 to {to} packed tokens; got {shown}")
+
+
 def document_starts(cu_seqlens: torch.Tensor, device) -> torch.Tensor:
     """[T] int64 on ``device``: the first position of each packed position's document, built once per cu_seqlens
     tensor (``cached_plan``; a CUDA graph registers its own buffer under this key). Read by QK-clip's max-logit
     kernel and the short convolution's."""
     def build(cu):
-        if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens must rise from 0 to the number of packed tokens; got {cu}")
+        check_cu_seqlens(cu)
         offsets, _, _ = document_offsets(cu, device)
         return torch.arange(cu[-1] - cu[0], device=device) - offsets
     return cached_plan(cu_seqlens, ("starts", torch.device(device)), build)

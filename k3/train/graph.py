@@ -11,7 +11,7 @@ Packed documents without a fixed layout. The layers plan their kernels from cu_s
 cached_plan``), normally from its host values. Under a graph the boundaries are data instead: the graph is
 captured for a ``Capacity`` (the token shape and a number of document slots), and every plan a layer asks of the
 graph's cu_seqlens has a fixed shape and is rebuilt in place on the device before each replay from the padded
-cu_seqlens (one pinned copy of S + 1 integers, ``device_plans``):
+cu_seqlens (one pinned copy of S + 1 integers, ``device_document_starts``):
   - cu_seqlens itself, padded with empty documents to the slots (fla's KDA builds its chunk list on the device
     from it, ``use_graph``, in a fixed shape, skipping the spare rows);
   - MLA's flash varlen call takes the row's length as its maximum (the spare documents and blocks exit at once);
@@ -46,7 +46,7 @@ import torch
 
 from ..ops import varlen
 
-__all__ = ["StepGraph", "Capacity", "graph_unsupported", "layout", "device_plans"]
+__all__ = ["StepGraph", "Capacity", "graph_unsupported", "layout", "device_document_starts"]
 
 _TEXT_KEYS = {"input_ids", "cu_seqlens", "labels"}
 
@@ -102,7 +102,7 @@ class Capacity:
         return shapes == self.shapes and len(cu) <= self.documents
 
 
-def device_plans(cu: torch.Tensor, tokens: int) -> torch.Tensor:
+def device_document_starts(cu: torch.Tensor, tokens: int) -> torch.Tensor:
     """From a padded cu_seqlens [S+1] on any device, in a fixed shape and without reading its values back: each
     position's document start [tokens] (QK-clip's kernel, the short conv's).
 
@@ -120,20 +120,19 @@ class _NoHostValues:
     def _refuse(self, *_):
         raise RuntimeError(f"a layer planned from the host values of cu_seqlens under --cuda-graph ({self.where}); "
                            "under a graph they change with every replay: this plan needs a device form "
-                           "(k3.train.graph.device_plans)")
+                           "(k3.train.graph._Buffers.register_plans)")
 
     __iter__ = __getitem__ = __len__ = _refuse
 
 
 class _Buffers:
-    """The graph's input buffers on the device: the tokens (and labels), the padded cu_seqlens and the plans, the
-    latter views of one int64 tensor."""
+    """The graph's input buffers on the device: the tokens (and labels), the padded cu_seqlens and each position's
+    document start."""
 
     def __init__(self, cap: Capacity, placed, device):
         T, S = cap.tokens, cap.documents
-        self.flat = torch.zeros(S + 1 + T, dtype=torch.long, device=device)
-        self.cu = self.flat[:S + 1]
-        self.starts = self.flat[S + 1:]
+        self.cu = torch.zeros(S + 1, dtype=torch.long, device=device)
+        self.starts = torch.zeros(T, dtype=torch.long, device=device)
         self.input_ids = placed.input_ids.clone()
         self.labels = self.input_ids if placed.labels is placed.input_ids else placed.labels.clone()
         self.placed = dataclasses.replace(placed, input_ids=self.input_ids, labels=self.labels, cu_seqlens=self.cu)
@@ -143,18 +142,17 @@ class _Buffers:
         cu, dev = self.cu, self.cu.device
         varlen.register_plans(cu, _NoHostValues("no host values"), {
             ("longest",): (None, cap.tokens),  # MLA's flash varlen maximum (k3.layers.sequence.mla.attend_varlen)
-            ("starts", dev): self.starts,  # QK-clip's max-logit kernel, the short conv's (k3.ops.varlen.document_starts)
+            ("starts", dev): self.starts,  # QK-clip's max-logit kernel, the short conv's (varlen.document_starts)
         })
 
     def fill(self, cap: Capacity, batch: dict, cu: list[int]) -> None:
         """One micro-batch into the buffers: its tokens and its cu_seqlens padded with empty documents (pinned
-        copies), then the plans built from them on the device (``device_plans``: no per-token work on the host)."""
+        copies), then the document starts built from them on the device (no per-token work on the host)."""
         T, S = cap.tokens, cap.documents
-        if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens must rise from 0 to the {T} packed tokens; got {cu[:8]}...")
+        varlen.check_cu_seqlens(cu, T)
         padded = torch.tensor(cu + [T] * (S + 1 - len(cu)), dtype=torch.long)
         self.cu.copy_(padded.pin_memory() if self.cu.is_cuda else padded, non_blocking=True)
-        self.starts.copy_(device_plans(self.cu, T))
+        self.starts.copy_(device_document_starts(self.cu, T))
         for src, dst in ((batch["input_ids"], self.input_ids), (batch.get("labels"), self.labels)):
             if src is not None:
                 dst.copy_(src.pin_memory() if src.device.type == "cpu" and dst.is_cuda else src, non_blocking=True)

@@ -11,7 +11,7 @@ import torch
 from k3 import K3Config, K3ForCausalLM
 from k3.data import PackedDataset
 from k3.distributed.plan import ParallelDims, ParallelPlan
-from k3.train.graph import Capacity, device_plans, graph_unsupported, layout
+from k3.train.graph import Capacity, device_document_starts, graph_unsupported, layout
 from k3.train.loop import TrainConfig, train
 from k3.train.memory import POLICIES
 from k3.train.metrics import read_metrics
@@ -51,8 +51,8 @@ def test_a_capacity_covers_any_boundaries_up_to_its_slots_and_image_batches_are_
         layout({"input_ids": ids, "cu_seqlens": torch.tensor([0, 8]), "media": {}})
 
 
-def test_device_plans_are_the_host_plans_in_a_fixed_shape():
-    """The plan the graph's buffers hold, built from the padded cu_seqlens alone (``device_plans``: a fixed shape,
+def test_device_document_starts_are_the_host_plans_in_a_fixed_shape():
+    """The plan the graph's buffers hold, built from the padded cu_seqlens alone (``device_document_starts``: a fixed shape,
     no read-back), is for any boundaries what the layers' own planner builds from host values: each position's
     document start (QK-clip's kernel, the short conv's); empty documents (at the start, inside, at the end)
     included."""
@@ -64,7 +64,7 @@ def test_device_plans_are_the_host_plans_in_a_fixed_shape():
     layouts = ([0, T], [0, 64, 65, 200, T], [0, 10, 10, 129, T], [0, 0, 64, 128, T, T], list(range(0, T, 20)) + [T])
     for cu in layouts:
         padded = torch.tensor(cu + [T] * (S + 1 - len(cu)))
-        assert torch.equal(device_plans(padded, T), document_starts(torch.tensor(cu), "cpu"))
+        assert torch.equal(device_document_starts(padded, T), document_starts(torch.tensor(cu), "cpu"))
         assert padded[S - 1] == padded[S] == T  # the spare slots are empty
 
 
@@ -85,7 +85,7 @@ def test_the_buffers_take_each_batch_and_refuse_boundaries_that_do_not_cover_the
         assert torch.equal(buffers.input_ids, batch["input_ids"]) and buffers.labels is buffers.input_ids
         padded = torch.tensor(cu + [T] * (cap.documents + 1 - len(cu)))
         assert torch.equal(buffers.cu, padded)
-        assert torch.equal(buffers.starts, device_plans(padded, T))
+        assert torch.equal(buffers.starts, device_document_starts(padded, T))
     assert (buffers.cu.data_ptr(), buffers.starts.data_ptr()) == views  # in place
     with pytest.raises(ValueError, match="rise from 0 to the 128"):
         buffers.fill(cap, first, [0, 100])

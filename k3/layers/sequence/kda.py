@@ -19,7 +19,7 @@ from ...ops import kda as kda_ops
 from ...ops.norms import gated_rms_norm, l2_norm
 from ...ops.proj_decode import KDA_ROWS, kda_output_decode, kda_output_width, proj_decode_applies
 from ...ops.short_conv import short_conv
-from ..fuse import fuse_linears, use_fused
+from ..fuse import fuse_linears, stacked_linear, use_fused
 from ..regions import region
 
 
@@ -112,7 +112,8 @@ class KimiDeltaAttention(nn.Module):
 
     def activations(self, q, k, v, f, b, conv_silu: bool = False):
         """After the convs: per-head L2-normalised q, k and v [B,T,H,K], log-decay g [B,T,H,K] fp32, beta
-        [B,T,H] fp32. ``conv_silu``: q, k, v come before the short convs' SiLU (``stateless_inputs``), applied here first.
+        [B,T,H] fp32. ``conv_silu``: q, k, v come before the short convs' SiLU (``stateless_inputs``), applied here
+        first.
         A named region ("kda_activations"): ``k3 train --compile`` fuses its elementwise chains (the SiLU with
         the L2 norms)."""
         return region("kda_activations", _activations, q, k, v, f, b, self.A_log, self.dt_bias, self.num_heads,
@@ -147,10 +148,8 @@ class KimiDeltaAttention(nn.Module):
         conv, without its activation (context parallelism's halo'd conv)."""
         B, T, _ = x.shape
         gate_proj = self.g_proj if hasattr(self, "g_proj") else self.g_a_proj
-        projs = [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate_proj]
-        y = F.linear(x, torch.cat([p.weight for p in projs]))
-        qkv, fa, g = y.split([3 * self.q_proj.out_features, self.f_a_proj.out_features, gate_proj.out_features],
-                             dim=-1)
+        qkv, fa, g = stacked_linear(x, [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate_proj],
+                                    [3 * self.q_proj.out_features, self.f_a_proj.out_features, gate_proj.out_features])
         taps = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
         qkv = conv(qkv, taps) if conv is not None else short_conv(qkv, taps, None, cu_seqlens, False,
                                                                   activation=False, backend=self.backend)[0]

@@ -25,7 +25,7 @@ from ...config import K3Config
 from ...ops._triton import triton_available
 from ...ops.max_logit import causal_max_logit
 from ...ops.varlen import GROUP_OVERHEAD, cached_plan, document_starts, grouped_documents
-from ..fuse import fuse_linears, use_fused
+from ..fuse import fuse_linears, stacked_linear, use_fused
 from ..norm import RMSNorm
 from .rope import rope_frequencies, rotary, softmax_scale
 
@@ -163,8 +163,8 @@ class GatedMLA(nn.Module):
             parts = F.linear(x, self.in_proj).split(self._in_sizes, dim=-1)
             q, kv, gate = parts[0], parts[1], parts[2] if len(parts) > 2 else None
         else:  # the same projections as one matmul over their stacked weights (x's gradient one GEMM, no adds)
-            projs = [first, self.kv_a_proj_with_mqa] + ([self.g_proj] if self.g_proj is not None else [])
-            parts = F.linear(x, torch.cat([p.weight for p in projs])).split([p.out_features for p in projs], dim=-1)
+            parts = stacked_linear(x, [first, self.kv_a_proj_with_mqa] + ([self.g_proj] if self.g_proj is not None
+                                                                          else []))
             q, kv, gate = parts[0], parts[1], parts[2] if len(parts) > 2 else None
         if hasattr(self, "q_a_proj"):
             q = self.q_b_proj(self.q_a_layernorm(q))

@@ -8,8 +8,9 @@ region's inputs in the backward, or offloaded), so how memory is saved never liv
 
 Regions: "attn_res" (an AttnRes mix over the depth sources, k3.layers.depth), "moe_experts" (a LatentMoE's routed
 dispatch, expert matmuls and combine, k3.layers.width.latent_moe), "kda_activations" (KDA's L2 norms of q and k,
-its forget gate and beta, between the short convs and the recurrence, k3.layers.sequence.kda), "lm_loss" (the LM
-head and cross-entropy of one chunk of tokens in a training loss, k3.model.transformer).
+its forget gate and beta, between the short convs and the recurrence, k3.layers.sequence.kda), "mla_output" (MLA's
+sigmoid output gate on the attention output, k3.layers.sequence.mla), "lm_loss" (the LM head and cross-entropy of one
+chunk of tokens in a training loss, k3.model.transformer).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 __all__ = ["REGIONS", "region", "region_handler", "set_region_compiler"]
 
-REGIONS = ("attn_res", "moe_experts", "kda_activations", "lm_loss")
+REGIONS = ("attn_res", "moe_experts", "kda_activations", "mla_output", "lm_loss")
 
 _handler = None  # (name, fn, *args) -> fn's result, or None: a plain call
 _compiler = None  # (name, fn) -> the function to run instead of fn, or None

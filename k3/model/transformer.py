@@ -14,6 +14,7 @@ from ..config import K3Config
 from ..layers.depth.attn_res import DepthStream, PseudoQuery
 from ..layers.norm import RMSNorm
 from ..ops.linear_ce import linear_ce_sum
+from ..ops.precision import compute_dtype
 from ..ops.varlen import document_ids, same_document
 from .block import DecoderLayer, _Query
 from .init import init_weights
@@ -70,18 +71,6 @@ class K3Model(nn.Module):
                 layer(stream, cu_seqlens, mixer)
         q = _Query(self.output_attn_res_proj, self.output_attn_res_norm) if c.attn_res != "none" else None
         return stream.output(q)
-
-
-def compute_dtype(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in autocast's dtype where autocast is on for its device, else as is. The depth stream (the embedding,
-    every sub-layer output, AttnRes's block sums) then lives in bf16 under bf16 autocast, as every matmul's output
-    does, instead of in the fp32 of the embedding table: half the bytes for each AttnRes mix and residual add, and
-    no cast of the stream (nor of its gradient) before each projection. Norms, AttnRes logits and softmax still
-    compute in fp32 (k3.ops.norms, k3.ops.attn_res)."""
-    dev = x.device.type
-    if torch.is_autocast_enabled(dev) and x.is_floating_point():
-        return x.to(torch.get_autocast_dtype(dev))
-    return x
 
 
 def _checkpointed(layer: DecoderLayer, stream: DepthStream, cu_seqlens) -> None:

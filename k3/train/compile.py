@@ -6,7 +6,8 @@ norm, MLA's two latent RMSNorms; the model's final norm and the MTP layers' inpu
 RMSNorm is ~8 fp32 kernels forward and ~10 backward over its rows, one fused kernel each way compiled); every
 "attn_res" region (``k3.layers.regions``: the AttnRes mix and the sub-layer's pre-norm; on CUDA it is
 one Triton kernel forward and backward, which runs as it is), every
-"kda_activations" region (the L2 norms, forget gate and beta between KDA's short convs and its recurrence) and the
+"kda_activations" region (the L2 norms, forget gate and beta between KDA's short convs and its recurrence), every
+"mla_output" region (MLA's sigmoid output gate in fp32 and the cast for its output projection) and the
 "lm_loss" region (a chunk's LM head and cross-entropy: the fp32 cast, log-softmax and gather fused over the bf16
 logits). These are the parts made of many small elementwise and reduction kernels. The token mixers' kernels (fla's KDA, MLA's
 attention over packed documents, which plans its groups on the host) stay eager: torchtitan compiles whole blocks,
@@ -44,13 +45,14 @@ def compiled_regions(model: nn.Module) -> list[nn.Module]:
 
 def compile_model(model: nn.Module, **options) -> None:
     """Compile ``model``'s regions in place (``nn.Module.compile``: parameter names unchanged) and the "attn_res",
-    "kda_activations" and "lm_loss" regions of every model in this process; ``options`` go to ``torch.compile``."""
+    "kda_activations", "mla_output" and "lm_loss" regions of every model in this process; ``options`` go to
+    ``torch.compile``."""
     for m in compiled_regions(model):
         m.compile(**options)
     compiled = {}
 
     def compiler(name, fn):
-        if name not in ("attn_res", "kda_activations", "lm_loss"):  # "moe_experts" runs inside a compiled FFN
+        if name not in ("attn_res", "kda_activations", "mla_output", "lm_loss"):  # "moe_experts": in a compiled FFN
             return fn
         if fn not in compiled:
             compiled[fn] = _unless_kernel(fn, torch.compile(fn, **options)) if name == "attn_res" else \

@@ -59,7 +59,7 @@ def test_compiled_regions_give_the_eager_loss_and_gradients():
             assert set(grads) == set(ref_grads)
             for name, g in ref_grads.items():
                 assert_close(name, g, grads[name], 1e-5)
-        assert seen == {"attn_res", "kda_activations", "moe_experts", "lm_loss"}  # the compiler saw every region
+        assert seen == {"attn_res", "kda_activations", "moe_experts", "mla_output", "lm_loss"}  # every region
     finally:
         set_region_compiler(previous)
         torch.set_num_threads(threads)

@@ -302,7 +302,8 @@ def brute_max_logit(layer, x):
     """Per-head max over causal pairs of q.k * scale, straight from the weights."""
     B, T, _ = x.shape
     pos = torch.arange(T)[None].expand(B, T)
-    q_nope, q_pe, c_kv, k_pe, _ = layer.project(x, pos)  # q_pe and k_pe rotated when the layer uses RoPE
+    inp = layer.project(x, pos)  # q_pe and k_pe rotated when the layer uses RoPE
+    q_nope, q_pe, c_kv, k_pe = inp.q_nope, inp.q_pe, inp.c_kv, inp.k_pe
     k_nope = layer.kv_b_proj(c_kv).view(B, T, layer.num_heads, -1)[..., : layer.nope]
     s = (torch.einsum("bthn,bshn->bhts", q_nope, k_nope) + torch.einsum("bthp,bsp->bhts", q_pe, k_pe)) * layer.scale
     causal = torch.ones(T, T, dtype=torch.bool).tril()

@@ -24,9 +24,11 @@ from typing import NamedTuple
 from ...config import K3Config
 from ...ops._triton import triton_available
 from ...ops.max_logit import causal_max_logit
+from ...ops.precision import compute_dtype
 from ...ops.varlen import GROUP_OVERHEAD, cached_plan, document_starts, grouped_documents
 from ..fuse import fuse_linears, stacked_linear, use_fused
 from ..norm import RMSNorm
+from ..regions import region
 from .rope import rope_frequencies, rotary, softmax_scale
 
 
@@ -43,6 +45,14 @@ class MLAInputs(NamedTuple):
     c_kv: torch.Tensor  # [B,T,R] normed: what the cache stores per token, with k_pe
     k_pe: torch.Tensor  # [B,T,Dr] shared by all heads (rotated when the layer uses RoPE)
     gate: torch.Tensor | None  # [B,T,H*Dv] output gate logits, None without the gate
+    joined_query: torch.Tensor | None = None  # [B,T,H,Dn+Dr] when q_nope and q_pe are its two views (no RoPE)
+
+    def query(self) -> torch.Tensor:
+        """The whole query [B,T,H,Dn+Dr]: the projection's output itself when no RoPE touched q_pe (K3's NoPE
+        layers: no copy, and no split to undo in the backward), else the concatenation."""
+        if self.joined_query is not None:
+            return self.joined_query
+        return torch.cat([self.q_nope, self.q_pe], dim=-1)
 
 
 def attend_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
@@ -88,21 +98,22 @@ def varlen_attention_available(q: torch.Tensor) -> bool:
 
 def attend_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
                   track_max_logit: bool = False):
-    """Causal attention within each packed document in ONE flash-attention varlen call: q, k [1,H,T,Dk], v [1,H,T,Dv]
-    (bf16/fp16, CUDA) -> (o [1,H,T,Dv] fp32, max logit [H] fp32 or None). No padding, no grouping: the kernel walks
-    the documents itself (softmax and accumulation in fp32, the output rounded to q's dtype). Flash attention takes
-    one head dim for q, k and v, so v is zero-padded to Dk and the output cut back (MLA: 192 vs 128). The lengths'
-    maximum comes from the host values of cu_seqlens (``cached_plan``): no read of the device. QK-clip's statistic
-    is not a by-product of the kernel: with ``track_max_logit`` it is computed exactly over the documents' groups."""
+    """Causal attention within each packed document in ONE flash-attention varlen call: q, k [1,T,H,Dk], v [1,T,H,Dv]
+    (bf16/fp16, CUDA) -> (o [1,T,H,Dv] in q's dtype, max logit [H] fp32 or None). No padding, no grouping: the kernel
+    walks the documents itself (softmax and accumulation in fp32, the output rounded to q's dtype). Flash attention
+    takes one head dim for q, k and v, so v is zero-padded to Dk and the output cut back (MLA: 192 vs 128). The
+    lengths' maximum comes from the host values of cu_seqlens (``cached_plan``): no read of the device. QK-clip's
+    statistic is not a by-product of the kernel: with ``track_max_logit`` it is computed exactly over the
+    documents."""
     cu, longest = cached_plan(cu_seqlens, ("longest",), lambda cu: (cu, max(b - a for a, b in zip(cu, cu[1:]))))
     Dk, Dv = q.shape[-1], v.shape[-1]
-    qt, kt, vt = (x[0].transpose(0, 1) for x in (q, k, v))  # [T,H,D]
+    qt, kt, vt = q[0], k[0], v[0]  # [T,H,D]
     if Dv < Dk:
         vt = F.pad(vt, (0, Dk - Dv))
     cu32 = cu_seqlens.to(torch.int32)
     o = _varlen_kernel()(qt, kt, vt, cu32, cu32, longest, longest, scale=scale, window_size=(-1, 0))  # (-1, 0): causal
-    m = documents_max_logit(q, k, cu_seqlens, scale) if track_max_logit else None
-    return o[..., :Dv].transpose(0, 1)[None].float(), m
+    m = documents_max_logit(q.transpose(1, 2), k.transpose(1, 2), cu_seqlens, scale) if track_max_logit else None
+    return o[..., :Dv][None], m
 
 
 def documents_max_logit(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
@@ -168,18 +179,19 @@ class GatedMLA(nn.Module):
             q, kv, gate = parts[0], parts[1], parts[2] if len(parts) > 2 else None
         if hasattr(self, "q_a_proj"):
             q = self.q_b_proj(self.q_a_layernorm(q))
-        q_nope, q_pe = q.view(B, T, self.num_heads, self.nope + self.pe).split([self.nope, self.pe], dim=-1)
+        q = q.view(B, T, self.num_heads, self.nope + self.pe)
+        q_nope, q_pe = q.split([self.nope, self.pe], dim=-1)
         c_kv, k_pe = kv.split([self.rank, self.pe], dim=-1)
         if self.use_rope:
             freqs = rope_frequencies(self.pe, self.rope_theta, self.rope_scaling, x.device)  # shared by q and k
             q_pe, k_pe = rotary(q_pe, positions, freqs), rotary(k_pe, positions, freqs)
-        return MLAInputs(q_nope, q_pe, self.kv_a_layernorm(c_kv), k_pe, gate)
+        return MLAInputs(q_nope, q_pe, self.kv_a_layernorm(c_kv), k_pe, gate, None if self.use_rope else q)
 
     def output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        """o [B,T,H*Dv] attention output -> sigmoid(gate) -> o_proj -> [B,T,D]."""
-        if gate is not None:
-            o = o * torch.sigmoid(gate.float())
-        return self.o_proj(o.to(self.o_proj.weight.dtype))
+        """o [B,T,H*Dv] attention output (any float dtype) -> times sigmoid(gate) in fp32 -> o_proj -> [B,T,D].
+        The gating is the named region "mla_output" (``k3 train --compile`` fuses the upcasts, sigmoid, product and
+        the cast for the projection into one kernel each way)."""
+        return self.o_proj(region("mla_output", _gated_output, o, gate, self.o_proj.weight.dtype))
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -188,18 +200,18 @@ class GatedMLA(nn.Module):
         H = self.num_heads
         if self.use_rope and positions is None:
             positions = _positions(B, T, cu_seqlens, x.device)
-        q_nope, q_pe, c_kv, k_pe, gate = self.project(x, positions)
-        k_nope, v = self.kv_b_proj(c_kv).view(B, T, H, self.nope + self.dv).split([self.nope, self.dv], dim=-1)
-        q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [B,H,T,Dn+Dr]
-        k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, T, H, self.pe)], dim=-1).transpose(1, 2)
-        v = v.transpose(1, 2)
+        inp = self.project(x, positions)
+        k_nope, v = self.kv_b_proj(inp.c_kv).view(B, T, H, self.nope + self.dv).split([self.nope, self.dv], dim=-1)
+        q = inp.query()  # [B,T,H,Dn+Dr]
+        k = torch.cat([k_nope, inp.k_pe[:, :, None, :].expand(B, T, H, self.pe)], dim=-1)
         track = self.track_max_logit and self.training
         if cu_seqlens is not None and B != 1:
             raise ValueError(f"packed documents (cu_seqlens) come in batch 1; got batch {B}")
         if cu_seqlens is not None and self.varlen_attention and varlen_attention_available(q):
             # packed documents on CUDA: one flash varlen kernel over all documents (bf16 in, fp32 accumulation)
-            o, m = attend_varlen(q, k, v, cu_seqlens, self.scale, track)
+            o, m = attend_varlen(q, k, v, cu_seqlens, self.scale, track)  # [1,T,H,Dv]
         else:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B,H,T,*]
             if self.fp32_attention and self.training:
                 q, k, v = q.float(), k.float(), v.float()
             if cu_seqlens is not None:  # packed documents (B = 1): length groups of padded SDPA calls
@@ -207,10 +219,10 @@ class GatedMLA(nn.Module):
             else:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
                 m = causal_max_logit(q, k, self.scale) if track else None
+            o = o.transpose(1, 2)  # [B,T,H,Dv]
         if m is not None:
             self.max_logit = m if self.max_logit is None else torch.maximum(self.max_logit, m)
-        o = o.transpose(1, 2).reshape(B, T, H * self.dv)  # [B,T,H*Dv]
-        return self.output(o, gate)
+        return self.output(o.reshape(B, T, H * self.dv), inp.gate)
 
     def absorbed_weights(self):
         """W_uk [H,Dn,R] and W_uv [H,Dv,R], views into kv_b_proj."""
@@ -254,6 +266,14 @@ class GatedMLA(nn.Module):
         """The whole layer on x [B,T,D] over a given cache (c_kv, k_pe including x's own latents), absorbed."""
         inp = self.project(x, positions)
         return self.output(self.attend_latent(inp, c_kv, k_pe, mask), inp.gate)
+
+
+def _gated_output(o: torch.Tensor, gate: torch.Tensor | None, weight_dtype: torch.dtype) -> torch.Tensor:
+    """The "mla_output" region: o times sigmoid(gate), both in fp32 (SPEC §2.2: the attention output is fp32 in
+    training), rounded to the dtype the output projection multiplies in (autocast's, else its weight's)."""
+    if gate is not None:
+        o = o.float() * torch.sigmoid(gate.float())
+    return compute_dtype(o.to(weight_dtype))
 
 
 def _positions(B, T, cu_seqlens, device):

@@ -22,8 +22,12 @@ width and depth: pre-norm RMSNorm, causal SDPA attention (head dim 64, or 128 fr
 its speed does not depend on the data, so it runs once per width.
 
 MFU = model FLOPs per step / step time / peak (``--peak-tflops``, default 780: measured bf16 dense matmul on an H200).
-Model FLOPs: 6 x N x tokens (N = active parameters without the input embedding, the head included) plus attention,
-forward + backward = 3 x forward, per document (K3) or row (peer) of T tokens and per attention layer:
+Model FLOPs: 6 x N x tokens plus attention. N = active parameters without the input embedding, the head included,
+plus what the MTP loss multiplies per token (``count_parameters``' ``mtp_active``: the MTP layer's parameters, k of E
+routed experts, and its pass through the shared head; Megatron-LM counts MTP's head and projection the same way);
+"MFU w/o MTP" leaves that out (the trunk and head only, as this benchmark counted before 2026-12-04). Attention,
+forward + backward = 3 x forward, per document (K3) or row (peer) of T tokens and per attention layer (the MTP
+layer's MLA included):
   causal softmax attention (K3's MLA, the peer):  3 * T^2 * H * (d_qk + d_v)     (2 FLOPs per MAC, half the pairs)
   KDA, chunked (chunk C = 64):                    3 * T * H * (4 * K * V + 2 * C * (K + V))
 Step time: each step ends with one read of the device (as `k3 train`); min / median / max over ``--steps``.
@@ -66,9 +70,11 @@ def attention_flops(T_squared: float, layers: int, heads: int, d_qk: int, d_v: i
     return layers * 3 * T_squared * heads * (d_qk + d_v)
 
 
-def k3_flops(cfg: K3Config, tokens: int, sq_tokens: float) -> float:
-    """Model FLOPs of one K3 step of ``tokens`` tokens whose documents' squared lengths sum to ``sq_tokens``."""
-    dense = 6 * count_parameters(cfg)["active"] * tokens
+def k3_flops(cfg: K3Config, tokens: int, sq_tokens: float, mtp: bool = True) -> float:
+    """Model FLOPs of one K3 step of ``tokens`` tokens whose documents' squared lengths sum to ``sq_tokens``
+    (``mtp=False``: without the MTP loss's parameters)."""
+    counts = count_parameters(cfg)
+    dense = 6 * (counts["active"] + (counts["mtp_active"] if mtp else 0)) * tokens
     n_mla = len(cfg.full_attn_layers) + cfg.num_nextn_predict_layers
     mla = attention_flops(sq_tokens, n_mla, cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim)
     K = cfg.kda_head_dim
@@ -322,8 +328,12 @@ def k3_row(preset: str, cfg: K3Config, args, policy: str, batches=None, kind: st
 
     each, loss, slow = timed(step, args.warmup, args.steps, device)
     n = args.steps
-    row = row_stats(preset, f"k3 {preset}", kind, each, B * T, k3_flops(cfg, B * T, sum(sq[-n:]) / n),
-                    args.peak_tflops * 1e12, device, memory_policy=policy, cuda_graph=graphed, graph_captures=trainer.graph.captures if graphed else 0,
+    sq_mean = sum(sq[-n:]) / n
+    trunk = k3_flops(cfg, B * T, sq_mean, mtp=False) / (statistics.median(each) / 1e3) / (args.peak_tflops * 1e12)
+    row = row_stats(preset, f"k3 {preset}", kind, each, B * T, k3_flops(cfg, B * T, sq_mean),
+                    args.peak_tflops * 1e12, device, memory_policy=policy, cuda_graph=graphed,
+                    graph_captures=trainer.graph.captures if graphed else 0,
+                    mfu_without_mtp=trunk if device == "cuda" else None,
                     docs_per_step=sum(docs[-n:]) / n, loss=loss, load_max_over_mean=[round(x, 2) for x in load[-n:]],
                     **slow)
     if args.profile:
@@ -413,8 +423,8 @@ def main():
 def report(rows: list[dict], args) -> None:
     print(f"\n{args.batch} x {args.seq_len} tokens per step on {args.device}; compile {'on' if args.compile else 'off'}, "
           f"KDA backend {args.kda_backend}")
-    print("| model | documents | memory policy | CUDA graph | docs/step | tokens/s | MFU | step min / median / max | "
-          "peak memory (allocated / reserved) |")
+    print("| model | documents | memory policy | CUDA graph | docs/step | tokens/s | MFU (w/o MTP) | "
+          "step min / median / max | peak memory (allocated / reserved) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         oom = f" ({', '.join(r['oom_policies'])}: out of memory)" if r.get("oom_policies") else ""
@@ -423,6 +433,8 @@ def report(rows: list[dict], args) -> None:
             continue
         s = r["step_ms"]
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        if r.get("mfu_without_mtp") is not None:
+            mfu += f" ({r['mfu_without_mtp']:.1%})"
         # under a CUDA graph the replays use the graph's own pool, which max_memory_allocated does not count
         mem = f"{r['peak_mem_gib']:.1f} / {r['peak_reserved_gib']:.1f} GiB" if r["peak_mem_gib"] is not None else "-"
         docs = f"{r['docs_per_step']:.1f}" if "docs_per_step" in r else "-"

@@ -2,7 +2,9 @@
 bytes a model's tensors hold by component (with routed experts packed, SPEC §6: 4.25 bits per weight).
 
 Active = what one token touches: everything except the input embedding, the routed experts it was not
-sent to (only k of E count), MTP layers and the vision tower (SPEC §1's convention).
+sent to (only k of E count), MTP layers and the vision tower (SPEC §1's convention). A training step's MTP loss
+multiplies more per token: ``mtp_active`` counts it (each MTP layer's parameters, k of E routed experts, and its
+pass through the shared LM head), for training FLOPs (benchmarks/bench_train.py).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def component(name: str, kinds: dict[int, str]) -> str:
 
 
 def count_parameters(config: K3Config) -> dict:
-    """{"total": int, "active": int, "by_component": {name: {"total": int, "active": int}}}."""
+    """{"total": int, "active": int, "mtp_active": int, "by_component": {name: {"total": int, "active": int}}}."""
     from .transformer import K3ForCausalLM
 
     with torch.device("meta"):
@@ -55,9 +57,12 @@ def count_parameters(config: K3Config) -> dict:
     kinds = {i: config.layer_kind(i) for i in range(config.num_hidden_layers)}
     frac = config.num_experts_per_token / max(config.num_experts, 1)
     by = {c: {"total": 0, "active": 0} for c in COMPONENTS}
+    mtp_active = config.num_nextn_predict_layers * config.vocab_size * config.hidden_size  # the shared head, again
     for name, p in model.named_parameters():  # tied weights are yielded once
         c, n = component(name, kinds), p.numel()
         by[c]["total"] += n
+        if c == "mtp":
+            mtp_active += round(n * frac) if ".experts." in name else n
         if c in ("embedding", "mtp"):
             continue
         by[c]["active"] += round(n * frac) if c == "routed_experts" else n
@@ -65,7 +70,7 @@ def count_parameters(config: K3Config) -> dict:
         by["head"]["active"] += by["embedding"]["total"]
     total = sum(v["total"] for v in by.values())
     active = sum(v["active"] for v in by.values())
-    return {"total": total, "active": active, "by_component": by}
+    return {"total": total, "active": active, "mtp_active": mtp_active, "by_component": by}
 
 
 def count_bytes(model) -> dict[str, int]:

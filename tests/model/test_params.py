@@ -45,3 +45,17 @@ def test_medium_preset_invariants():
     by = r["by_component"]
     assert by["routed_experts"]["active"] == round(by["routed_experts"]["total"] * 8 / 64)
     assert by["mtp"]["active"] == 0 and by["embedding"]["active"] == 0
+
+
+def test_mtp_active_counts_each_mtp_layer_and_its_pass_through_the_head():
+    """``mtp_active`` (training FLOPs of the MTP loss, not part of SPEC §1's active count): zero without MTP layers,
+    per layer its own parameters (k of E routed experts) plus the LM head it applies again."""
+    small = K3Config.preset("small")
+    one, two = (count_parameters(small.replace(num_nextn_predict_layers=n)) for n in (1, 2))
+    assert count_parameters(small.replace(num_nextn_predict_layers=0))["mtp_active"] == 0
+    assert two["mtp_active"] == 2 * one["mtp_active"] and two["active"] == one["active"]
+    layer = one["by_component"]["mtp"]["total"]  # one MTP layer, all experts
+    experts = one["by_component"]["routed_experts"]["total"] // (small.num_hidden_layers - small.first_k_dense_replace)
+    k, E = small.num_experts_per_token, small.num_experts
+    head = small.vocab_size * small.hidden_size
+    assert one["mtp_active"] == head + layer - experts + round(experts * k / E)

@@ -86,7 +86,7 @@ def _checkpointed(layer: DecoderLayer, stream: DepthStream, cu_seqlens) -> None:
         s = DepthStream.__new__(DepthStream)
         s.mode, s.block_size, s.eps = mode, block_size, eps
         s.blocks, s.partial, s.sublayer = list(tensors[:n_blocks]), tensors[n_blocks] if had_partial else None, sublayer
-        s.pending = None  # (recorded by autograd: every write is added at once)
+        s.pending, s.sinks = None, {}  # (recorded by autograd: every write is added at once, every gradient summed)
         layer(s, cu_seqlens)
         return (*s.blocks[n_blocks:], s.partial)
 

@@ -170,9 +170,10 @@ def _bwd_rows_kernel(S0, S1, S2, S3, S4, S5, S6, S7, S8, S9, S10, S11, DY, NW, S
 def _bwd_cols_kernel(S0, S1, S2, S3, S4, S5, S6, S7, S8, S9, S10, S11, G0, G1, G2, G3, G4, G5, G6, G7, G8, G9, G10,
                      G11, DY, U, NW, STATS, R2, COEF, C1, DU, DNW, N, D, rows_per_group,
                      NUM_S: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_D: tl.constexpr, OUT_DTYPE: tl.constexpr):
+                     BLOCK_D: tl.constexpr, OUT_DTYPE: tl.constexpr, ACC: tl.constexpr):
     """One D tile of a group of rows: every source's gradient dv_s = a_s dh + (dl_s r_s) u - (dl_s r_s^3 dot_s / D)
-    v_s, and the group's partial weight gradients du = sum_rows sum_s dl_s r_s v_s, dnw = sum_rows dy h r2."""
+    v_s, and the group's partial weight gradients du = sum_rows sum_s dl_s r_s v_s, dnw = sum_rows dy h r2. Bit s of
+    ACC set: dv_s is added to what G_s holds (a gradient summed over several mixes) instead of written."""
     pd = tl.program_id(0)
     grp = tl.program_id(1)
     offs_d = pd * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -208,6 +209,8 @@ def _bwd_cols_kernel(S0, S1, S2, S3, S4, S5, S6, S7, S8, S9, S10, S11, G0, G1, G
             c_s = _row(coef, sidx, s)
             dv = _row(a, sidx, s)[:, None] * dh + c_s[:, None] * u[None, :] - _row(kk, sidx, s)[:, None] * v
             gs = _pick(s, G0, G1, G2, G3, G4, G5, G6, G7, G8, G9, G10, G11)
+            if (ACC >> s) & 1:
+                dv += tl.load(gs + rows + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
             tl.store(gs + rows + offs_d[None, :], dv.to(gs.dtype.element_ty), mask=mask)
             du += tl.sum(c_s[:, None] * v, 0)
     tl.store(DU + grp * D + offs_d, du, mask=md)
@@ -276,14 +279,18 @@ def forward(sources: list[torch.Tensor], u: torch.Tensor, nw: torch.Tensor | Non
 
 def backward(dy: torch.Tensor, sources: list[torch.Tensor], u: torch.Tensor, nw: torch.Tensor | None,
              stats: torch.Tensor, r2: torch.Tensor, block_n: int = 8, block_d: int = 256,
-             cols: tuple[int, int, int] = (32, 128, 4), programs_per_sm: int = 8, groups: int | None = None):
-    """-> (the sources' gradients [N,D] each, du [D] fp32, dnw [D] fp32 or None). ``cols`` = (rows per tile, D per
-    tile, warps) of the second kernel, which streams every source twice and writes its gradient: its tiles are
-    larger than the first kernel's so that each program keeps more bytes in flight (``benchmarks/bench_attn_res.py``
-    measures the choices)."""
+             cols: tuple[int, int, int] = (32, 128, 4), programs_per_sm: int = 8, groups: int | None = None,
+             into: list[torch.Tensor | None] | None = None):
+    """-> (the sources' gradients [N,D] each, du [D] fp32, dnw [D] fp32 or None). ``into``: per source a contiguous
+    [N,D] gradient to add this one to in place (returned as that source's), or None for a new one. ``cols`` = (rows
+    per tile, D per tile, warps) of the second kernel, which streams every source twice and writes its gradient: its
+    tiles are larger than the first kernel's so that each program keeps more bytes in flight
+    (``benchmarks/bench_attn_res.py`` measures the choices)."""
     S, (N, D) = len(sources), sources[0].shape
     dy = dy.contiguous()
-    grads = [torch.empty_like(s) for s in sources]
+    into = into or [None] * S
+    grads = [g if g is not None else torch.empty_like(s) for s, g in zip(sources, into)]
+    acc = sum(1 << i for i, g in enumerate(into) if g is not None)
     coef = torch.empty(2, S, N, dtype=torch.float32, device=dy.device)
     c1 = torch.empty(N if nw is not None else 1, dtype=torch.float32, device=dy.device)
     bs = max(2, triton.next_power_of_2(S))
@@ -303,7 +310,7 @@ def backward(dy: torch.Tensor, sources: list[torch.Tensor], u: torch.Tensor, nw:
     dnw = torch.empty(groups if nw is not None else 1, D, dtype=torch.float32, device=dy.device)
     _bwd_cols_kernel[(triton.cdiv(D, cd), groups)](*_padded(sources), *_padded(grads), dy, u, nw_arg, stats, r2, coef,
                                                    c1, du, dnw, N, D, rows_per_group, BLOCK_N=cn, BLOCK_D=cd,
-                                                   num_warps=cw, **meta)
+                                                   num_warps=cw, ACC=acc, **meta)
     return grads, du.sum(0), (dnw.sum(0) if nw is not None else None)
 
 

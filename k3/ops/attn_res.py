@@ -13,7 +13,8 @@ from .norms import rms_norm
 from .precision import upcast
 
 __all__ = ["attn_res_logits", "attn_res_mix", "attn_res_partial", "attn_res_merge", "attn_res_mix_norm",
-           "attn_res_add_mix_norm", "attn_res_mix_norm_reference", "attn_res_mix_norm_triton"]
+           "attn_res_add_mix_norm", "attn_res_mix_norm_reference", "attn_res_mix_norm_triton", "SourceGrad",
+           "seal_source"]
 
 
 def _unit_rms(v: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,9 +62,50 @@ def attn_res_mix_norm_reference(sources: list[torch.Tensor], query: torch.Tensor
     return h if norm_weight is None else rms_norm(h, norm_weight, norm_eps)
 
 
+class SourceGrad:
+    """The gradient of one depth source that many mixes read (a sealed AttnRes block: every later sub-layer's mix
+    reads it), summed in ONE buffer that each mix's backward kernel adds into, instead of each mix returning its own
+    gradient and autograd adding them (a pass that reads two [N,D] tensors and writes one, per mix and block).
+    ``seal_source`` puts the node in front of the source that hands the sum to autograd once every mix is done."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self):
+        self.grad: torch.Tensor | None = None  # [N,D] contiguous, the sum so far (None before the first mix's)
+
+
+class _Seal(torch.autograd.Function):
+    """Identity on a depth source; its backward runs after every reader's (they read its output) and returns the
+    gradient they summed into the ``SourceGrad`` plus whatever reached it through autograd (readers without the
+    kernel)."""
+
+    @staticmethod
+    def forward(ctx, x, sink: SourceGrad):
+        ctx.sink, ctx.shape = sink, x.shape
+        ctx.set_materialize_grads(False)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        total, ctx.sink.grad = ctx.sink.grad, None
+        if total is None:
+            return g, None
+        total = total.view(ctx.shape)
+        return (total if g is None else total + g), None
+
+
+def seal_source(x: torch.Tensor) -> tuple[torch.Tensor, SourceGrad | None]:
+    """(x as a source whose readers' gradients are summed in place, its SourceGrad), or (x, None) where nothing
+    will differentiate it."""
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return x, None
+    sink = SourceGrad()
+    return _Seal.apply(x, sink), sink
+
+
 class _MixNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key_norm_weight, norm_weight, eps: float, norm_eps: float, *sources):
+    def forward(ctx, query, key_norm_weight, norm_weight, eps: float, norm_eps: float, sinks, *sources):
         from . import _attn_res_triton as k
 
         shape = sources[0].shape
@@ -72,7 +114,7 @@ class _MixNorm(torch.autograd.Function):
         nw = norm_weight.float().contiguous() if norm_weight is not None else None
         out, stats, r2 = k.forward(flat, u, nw, eps, norm_eps)
         ctx.save_for_backward(query, key_norm_weight, norm_weight, stats, r2, *flat)
-        ctx.shape = shape
+        ctx.shape, ctx.sinks = shape, sinks or (None,) * len(sources)
         return out.view(shape)
 
     @staticmethod
@@ -82,16 +124,22 @@ class _MixNorm(torch.autograd.Function):
         query, key_norm_weight, norm_weight, stats, r2, *flat = ctx.saved_tensors
         u = (query.float() * key_norm_weight.float()).contiguous()
         nw = norm_weight.float().contiguous() if norm_weight is not None else None
-        grads, du, dnw = k.backward(dy.reshape(-1, ctx.shape[-1]), flat, u, nw, stats, r2)
+        into = [sink.grad if sink is not None else None for sink in ctx.sinks]
+        grads, du, dnw = k.backward(dy.reshape(-1, ctx.shape[-1]), flat, u, nw, stats, r2, into=into)
+        for sink, g in zip(ctx.sinks, grads):
+            if sink is not None:
+                sink.grad = g  # summed there; handed to autograd by the source's _Seal
         d_query = (du * key_norm_weight.float()).to(query.dtype)  # u = query * key_norm_weight
         d_key_norm = (du * query.float()).to(key_norm_weight.dtype)
         d_norm = dnw.to(norm_weight.dtype) if norm_weight is not None else None
-        return (d_query, d_key_norm, d_norm, None, None, *(g.view(ctx.shape) for g in grads))
+        return (d_query, d_key_norm, d_norm, None, None, None,
+                *(None if sink is not None else g.view(ctx.shape) for sink, g in zip(ctx.sinks, grads)))
 
 
 @torch.compiler.disable  # opaque to torch.compile: a compiled region calls the kernels as they are
 def attn_res_mix_norm_triton(sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor,
-                             eps: float, norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-5):
+                             eps: float, norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-5,
+                             sinks: tuple[SourceGrad | None, ...] | None = None):
     """``attn_res_mix_norm_reference`` as Triton kernels, forward and backward (``k3.ops._attn_res_triton``).
 
     Forward, one program per block of rows: a pass over the sources for each one's sum of squares and dot with
@@ -102,16 +150,19 @@ def attn_res_mix_norm_triton(sources: list[torch.Tensor], query: torch.Tensor, k
         da_s = v_s . dh,  dl_s = a_s (da_s - sum_t a_t da_t),
         dv_s = a_s dh + dl_s r_s u - dl_s r_s^3 (v_s . u) v_s / D,   du = sum_rows sum_s dl_s r_s v_s,
     one kernel over rows for the dl_s (and the norm's row sum), one over D tiles x row groups for the dv_s and the
-    weight gradients (partial sums per group, added up after). Each source is read in place (no stack)."""
-    return _MixNorm.apply(query, key_norm_weight, norm_weight, eps, norm_eps, *sources)
+    weight gradients (partial sums per group, added up after). Each source is read in place (no stack). ``sinks``:
+    per source a ``SourceGrad`` (from ``seal_source``) that its dv_s is added into, in the kernel, or None."""
+    return _MixNorm.apply(query, key_norm_weight, norm_weight, eps, norm_eps, sinks, *sources)
 
 
 KERNEL_MIN_ROWS = 1024
 
 
 def attn_res_mix_norm(sources: list[torch.Tensor], query: torch.Tensor, key_norm_weight: torch.Tensor, eps: float,
-                      norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-5):
-    """Same arguments and result as ``attn_res_mix_norm_reference``; where it runs:
+                      norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-5,
+                      sinks: tuple[SourceGrad | None, ...] | None = None):
+    """Same arguments and result as ``attn_res_mix_norm_reference`` (``sinks``: the Triton backward's in-place sums,
+    ``attn_res_mix_norm_triton``; ignored elsewhere, where autograd sums); where it runs:
     - inference on CUDA (no gradient, Triton importable, up to 12 sources of one dtype and shape): one Triton kernel
       per call, one program per row (``_rows``; a decode step's 24 mixes are 24 launches);
     - training on CUDA with at least ``KERNEL_MIN_ROWS`` rows: the Triton forward and backward
@@ -121,7 +172,7 @@ def attn_res_mix_norm(sources: list[torch.Tensor], query: torch.Tensor, key_norm
         return attn_res_mix_norm_reference(sources, query, key_norm_weight, eps, norm_weight, norm_eps)
     if not torch.is_grad_enabled():
         return _rows(sources, None, query, key_norm_weight, eps, norm_weight, norm_eps)[0]
-    return attn_res_mix_norm_triton(sources, query, key_norm_weight, eps, norm_weight, norm_eps)
+    return attn_res_mix_norm_triton(sources, query, key_norm_weight, eps, norm_weight, norm_eps, sinks)
 
 
 def uses_kernel(sources: list[torch.Tensor]) -> bool:

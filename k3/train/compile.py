@@ -65,12 +65,12 @@ def compile_model(model: nn.Module, **options) -> None:
 
 
 def _unless_kernel(fn, compiled_fn):
-    """An "attn_res" region (``fn(eps, proj_weight, key_norm_weight, norm, *sources)``) runs eagerly where it is one
-    Triton kernel (``k3.ops.attn_res.uses_kernel``: CUDA, enough rows): compiling it then adds only dynamo's guards
-    and a graph break around the kernel, on every call."""
+    """An "attn_res" region (``fn(eps, proj_weight, key_norm_weight, norm, sinks, *sources)``) runs eagerly where it
+    is one Triton kernel (``k3.ops.attn_res.uses_kernel``: CUDA, enough rows): compiling it then adds only dynamo's
+    guards and a graph break around the kernel, on every call. (``sinks`` is None on the compiled path.)"""
     from ..ops import attn_res
 
     def run(*args):
-        return fn(*args) if attn_res.uses_kernel(list(args[4:])) else compiled_fn(*args)
+        return fn(*args) if attn_res.uses_kernel(list(args[5:])) else compiled_fn(*args)
 
     return run

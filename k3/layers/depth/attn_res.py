@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...ops.attn_res import attn_res_add_mix_norm, attn_res_mix_norm, kernel_applies
+from ...ops.attn_res import SourceGrad, attn_res_add_mix_norm, attn_res_mix_norm, kernel_applies, seal_source, uses_kernel
 from ..norm import RMSNorm
 from ..regions import region
 
@@ -38,6 +38,7 @@ class DepthStream:
     def __init__(self, embedding: torch.Tensor, mode: str, block_size: int, eps: float):
         self.mode, self.block_size, self.eps = mode, block_size, eps
         self.blocks: list[torch.Tensor] = []  # sealed blocks b_0 (the embedding), b_1, ...
+        self.sinks: dict[int, SourceGrad] = {}  # id(block) -> where the mixes' kernels sum its gradient
         self.partial: torch.Tensor | None = embedding  # running sum of the current block (less ``pending``)
         self.pending: torch.Tensor | None = None  # a written sub-layer output not yet added to ``partial``
         self.sublayer = 0
@@ -49,7 +50,10 @@ class DepthStream:
             return self.partial if norm is None else norm(self.partial)
         h = self._mix_sources(query, norm)
         if self.sublayer % self.block_size == 0 and self.partial is not None:
-            self.blocks.append(self.partial)
+            block, sink = seal_source(self.partial)  # every later mix reads it: their gradients summed in place
+            self.blocks.append(block)
+            if sink is not None:
+                self.sinks[id(block)] = sink
             self.partial = None
         self.sublayer += 1
         return h
@@ -92,7 +96,9 @@ class DepthStream:
         sources themselves (blocks built once, at their boundary, and shared by every later read; the partial sum is
         the residual stream), so a policy that recomputes it keeps nothing of its own: a layer then saves exactly
         what a plain residual layer saves (tests/train/test_memory.py)."""
-        return region("attn_res", _mix_and_norm, self.eps, query.proj.weight, query.norm.weight, norm, *sources)
+        sinks = tuple(self.sinks.get(id(x)) for x in sources) if uses_kernel(sources) else None  # (kernel's only)
+        return region("attn_res", _mix_and_norm, self.eps, query.proj.weight, query.norm.weight, norm, sinks,
+                      *sources)
 
     def _add_and_mix(self, query: PseudoQuery, norm: nn.Module | None = None):
         """Inference: (the mix of blocks + [partial + delta], partial + delta), the add inside the kernel."""
@@ -106,6 +112,6 @@ class DepthStream:
 
 
 def _mix_and_norm(eps: float, proj_weight: torch.Tensor, key_norm_weight: torch.Tensor, norm: RMSNorm | None,
-                  *sources: torch.Tensor) -> torch.Tensor:
+                  sinks, *sources: torch.Tensor) -> torch.Tensor:
     return attn_res_mix_norm(list(sources), proj_weight[0], key_norm_weight, eps,
-                             norm.weight if norm is not None else None, norm.eps if norm is not None else 0.0)
+                             norm.weight if norm is not None else None, norm.eps if norm is not None else 0.0, sinks)

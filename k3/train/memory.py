@@ -12,12 +12,10 @@ The choice per saved tensor comes from light annotations: the innermost named re
 its size (``offload_min_bytes``), and whether it is a weight (weights are never moved). Policies:
 
   keep       everything kept.
-  efficient  the report's memory-efficient AttnRes and MoE: every AttnRes mix is recomputed in the backward from
-             its inputs, the depth sources (built once per block and shared), so that part of a layer saves what a
-             plain residual layer saves; every MoE keeps its dispatch input (the latent rows, routing weights and
-             indices) and the experts' gate/up product, and recomputes the dispatched rows, the activation and the
-             weighted rows in the backward (``k3.ops.routed_experts``: no expert matmul runs twice). An expert bank
-             without that path (expert parallelism, QAT) recomputes its whole region instead.
+  efficient  the report's memory-efficient AttnRes and MoE: every AttnRes mix and every MoE's routed dispatch,
+             expert matmuls and combine are recomputed in the backward. Their inputs are the depth sources (built
+             once per block and shared) and the dispatch input (the latent rows, routing weights and indices), so
+             a layer saves what a plain residual layer with a dense FFN-sized input saves.
   offload    efficient, plus every other activation of >= 1 MiB saved inside a decoder layer offloaded to host
              memory.
   recompute  whole decoder layers recomputed: only each layer's inputs (the depth sources) are kept.
@@ -159,12 +157,9 @@ class ActivationManager:
         from ..model.block import DecoderLayer
         from ..model.transformer import K3Model
 
-        moe = self.policy.regions.get("moe_experts") == "recompute"
         for m in model.modules():
             if self.policy.layers == "recompute" and isinstance(m, K3Model):  # a K3ForCausalLM's or a multimodal one's
                 m.gradient_checkpointing = True  # k3's own layer recompute (K3Model.forward)
-            if hasattr(m, "recompute_rows"):  # a routed-expert bank that recomputes its own rows in the backward
-                m.recompute_rows = moe and m.qat is None  # (QAT's fake quantisation: the whole region instead)
             if isinstance(m, DecoderLayer):
                 m.register_forward_pre_hook(self._enter_layer)
                 m.register_forward_hook(self._leave_layer, always_call=True)
@@ -220,8 +215,8 @@ class ActivationManager:
 
     def _region(self, name: str, fn, *args):
         storage = self.policy.regions.get(name)  # None: as the enclosing layer
-        if storage is None or (storage == "recompute" and getattr(fn, "recompute_rows", False)):
-            return fn(*args)  # (an expert bank that recomputes its rows itself keeps only its inputs and gate/up)
+        if storage is None:
+            return fn(*args)
         if storage == "recompute":
             for a in () if torch.compiler.is_compiling() else args:  # (compiled: inside a graph, no bookkeeping)
                 if isinstance(a, torch.Tensor) and not _is_weight(a):  # checkpoint saves them through _pack too

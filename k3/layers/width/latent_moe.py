@@ -20,7 +20,6 @@ from ...ops.grouped_mm import grouped_mm
 from ...ops.moe_decode import decode_applies, expert_decode
 from ...ops.proj_decode import MOE_ROWS, moe_output_decode, moe_output_width, proj_decode_applies
 from ...ops.mx import fake_quant_mxfp4, fake_quant_mxfp8
-from ...ops.routed_experts import routed_experts_recomputed
 from ...ops.routing import bincount, combine_rows, dispatch_rows, inverse_permutation
 from ...ops.situ import glu
 from ..fuse import fuse_linears, use_fused
@@ -49,10 +48,6 @@ class ExpertBank(nn.Module):
         self.act = config.hidden_act
         self.b1, self.b2 = config.activation_situ_beta, config.activation_situ_linear_beta
         self.qat = config.qat
-        # set by k3.train.memory for the memory-efficient policies: with gradients, keep only the dispatch input,
-        # the routing and the gate/up product, and recompute the dispatched rows and activations in the backward
-        # (k3.ops.routed_experts); the expert matmuls are not run again
-        self.recompute_rows = False
 
     def forward(self, z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """z [N,L], weights/idx [N,k] -> sum_j w_j E_j(z) [N,L] in fp32.
@@ -64,8 +59,6 @@ class ExpertBank(nn.Module):
         rows = self.decode_rows(z, weights, idx)
         if rows is not None:
             return rows.sum(1)
-        if self.recompute_rows and self.qat is None and torch.is_grad_enabled():
-            return routed_experts_recomputed(z, weights, idx, self.w1, self.w3, self.w2, self.act, self.b1, self.b2)
         return route_to_experts(z, weights, idx, self.w1.shape[0], self.compute)
 
     def decode_rows(self, z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["grouped_mm", "grouped_mm_weight_grad", "fused_dtypes"]
+__all__ = ["grouped_mm", "fused_dtypes"]
 
 
 def fused_dtypes() -> tuple[torch.dtype, ...]:
@@ -35,10 +35,12 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
 def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm`` of row-major x [M,I] (rows of group e up to offs[e]) with each w[e]^T, w [E,O,I].
 
-    An op of its own so that its operands reach the kernel row-major whatever layout a compiler picked for them:
-    the grouped kernel needs every group's start 16-byte aligned along a dimension that is contiguous, so a
-    column-major x (or, in the backward, gradient) with a group of rows not a multiple of 8 fails a device-side
-    assertion. Row-major operands are aligned for any number of rows per group."""
+    Ops of their own (this and ``k3::grouped_mm_weight_grad``, its backward's weight gradient) so that the operands
+    reach the kernel in the layout each product needs, whatever a compiler does with views around them: the grouped
+    kernel needs each group's start 16-byte aligned wherever the rows are the contiguous dimension of an operand.
+    Row-major x (forward) and a column-major dy^T (the weight gradient, dy^T x with the rows as the shared dim) are
+    aligned for any number of rows per group; inductor, left to lay out ``_grouped_mm(dy.t(), x)`` itself, made
+    dy^T row-major and the kernel's device-side assertion failed on expert loads that are not multiples of 8."""
     return torch._grouped_mm(x.contiguous(), w.transpose(-1, -2), offs=offs)
 
 
@@ -47,40 +49,32 @@ def _(x, w, offs):
     return x.new_empty(x.shape[0], w.shape[1])
 
 
+@torch.library.custom_op("k3::grouped_mm_weight_grad", mutates_args=())
+def _grouped_mm_weight_grad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """[E,O,I]: group e's dy_e^T x_e for dy [M,O] and x [M,I] in row groups up to offs[e] (dy^T column-major, x
+    row-major: the rows, the product's shared dimension, need no alignment)."""
+    return torch._grouped_mm(dy.contiguous().t(), x.contiguous(), offs=offs)
+
+
+@_grouped_mm_weight_grad.register_fake
+def _(dy, x, offs):
+    return dy.new_empty(offs.shape[0], dy.shape[1], x.shape[1])
+
+
 def _grouped_mm_setup(ctx, inputs, output):
     x, w, offs = inputs
     ctx.save_for_backward(x, w, offs)
 
 
 def _grouped_mm_backward(ctx, dy):
-    """dx = dy w[e] per group (the op again, over w^T); dw[e] = dy_e^T x_e as one grouped product whose shared dim
-    is the rows (dy^T column-major, x row-major: no alignment needed along the rows)."""
+    """dx = dy w[e] per group (the op again, over w^T); dw[e] = dy_e^T x_e (``k3::grouped_mm_weight_grad``)."""
     x, w, offs = ctx.saved_tensors
-    dy = dy.contiguous()
     dx = torch.ops.k3.grouped_mm(dy, w.transpose(1, 2), offs) if ctx.needs_input_grad[0] else None
-    dw = torch._grouped_mm(dy.t(), x.contiguous(), offs=offs) if ctx.needs_input_grad[1] else None  # [E,O,I]
+    dw = torch.ops.k3.grouped_mm_weight_grad(dy, x, offs) if ctx.needs_input_grad[1] else None
     return dx, dw, None
 
 
 _grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
-
-
-def grouped_mm_weight_grad(dy: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """The weight gradient of ``grouped_mm(x, w, counts)`` for its output gradient dy [M,O]: [E,O,I], expert e's
-    dy_e^T x_e (zeros for an expert without rows)."""
-    if _can_fuse(x, dy) and dy.dtype == x.dtype:
-        # dy^T column-major and x row-major: no alignment needed along the rows (k3::grouped_mm's backward)
-        return torch._grouped_mm(dy.contiguous().t(), x.contiguous(), offs=counts.cumsum(0).to(torch.int32))
-    return _expert_loop_weight_grad(dy, x, counts)
-
-
-@torch.compiler.disable  # reads the counts on the host, as _expert_loop
-def _expert_loop_weight_grad(dy: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    out = dy.new_zeros(counts.numel(), dy.shape[1], x.shape[1])
-    for e, (dye, xe) in enumerate(zip(dy.split(counts.tolist()), x.split(counts.tolist()))):
-        if xe.shape[0]:
-            out[e] = dye.T @ xe
-    return out
 
 
 @torch.compiler.disable  # reads the counts on the host: under torch.compile a clean break, never a recompile per load

@@ -90,7 +90,8 @@ def report(rows, steps: int, top: int) -> str:
             cnt[key(r)] += 1
         lines.append(f"\n{title}:")
         for name, us in agg.most_common(top):
-            lines.append(f"  {us / steps / 1e3:8.2f} ms {us / steps / total:6.1%} x{cnt[name] // steps:<5} {str(name)[:150]}")
+            ms, share = us / steps / 1e3, us / steps / total
+            lines.append(f"  {ms:8.2f} ms {share:6.1%} x{cnt[name] // steps:<5} {str(name)[:150]}")
 
     table("by phase", lambda r: r[2])
     table("by phase and module / autograd node", lambda r: (r[2], r[3]))

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...ops.attn_res import SourceGrad, attn_res_add_mix_norm, attn_res_mix_norm, kernel_applies, seal_source, uses_kernel
+from ...ops.attn_res import (SourceGrad, attn_res_add_mix_norm, attn_res_mix_norm, kernel_applies, seal_source,
+                             uses_kernel)
 from ..norm import RMSNorm
 from ..regions import region
 

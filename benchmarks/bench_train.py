@@ -329,13 +329,12 @@ def k3_row(preset: str, cfg: K3Config, args, policy: str, batches=None, kind: st
     each, loss, slow = timed(step, args.warmup, args.steps, device)
     n = args.steps
     sq_mean = sum(sq[-n:]) / n
-    trunk = k3_flops(cfg, B * T, sq_mean, mtp=False) / (statistics.median(each) / 1e3) / (args.peak_tflops * 1e12)
-    row = row_stats(preset, f"k3 {preset}", kind, each, B * T, k3_flops(cfg, B * T, sq_mean),
-                    args.peak_tflops * 1e12, device, memory_policy=policy, cuda_graph=graphed,
-                    graph_captures=trainer.graph.captures if graphed else 0,
-                    mfu_without_mtp=trunk if device == "cuda" else None,
+    flops = k3_flops(cfg, B * T, sq_mean)
+    row = row_stats(preset, f"k3 {preset}", kind, each, B * T, flops, args.peak_tflops * 1e12, device,
+                    memory_policy=policy, cuda_graph=graphed, graph_captures=trainer.graph.captures if graphed else 0,
                     docs_per_step=sum(docs[-n:]) / n, loss=loss, load_max_over_mean=[round(x, 2) for x in load[-n:]],
                     **slow)
+    row["mfu_without_mtp"] = row["mfu"] and row["mfu"] * k3_flops(cfg, B * T, sq_mean, mtp=False) / flops
     if args.profile:
         profile_step(step, device, Path(args.profile) / f"k3-{preset}-{kind}.txt", model=model,
                      trace=args.trace, steps=args.profile_steps)

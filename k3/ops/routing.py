@@ -54,8 +54,8 @@ def gather_sum(rows: torch.Tensor, index: torch.Tensor, k: int, dtype: torch.dty
     Written as k gathers added in slot order, not as a gather then ``sum`` over a [N, k, L] view: under
     ``torch.compile`` inductor fuses the k loads and adds into one pointwise kernel whose loads run along L
     (coalesced), where a sum over k >= 8 (its unrolling threshold) became a persistent reduction over k that read
-    every row in 2-byte pieces: 0.64-0.71 ms a call on the H200 at k = 8, L = 1024 (N = 32,768), 2.5x a pointwise gather
-    of the same rows and 3.7x the time its bytes take. The sum's order is the slot order."""
+    every row in 2-byte pieces: 0.64-0.71 ms a call on the H200 at k = 8, L = 1024 (N = 32,768), 2.5x a pointwise
+    gather of the same rows and 3.7x the time its bytes take. The sum's order is the slot order."""
     acc_dtype = torch.promote_types(rows.dtype, torch.float32)
     picked = rows.index_select(0, index).view(index.numel() // k, k, rows.shape[-1])
     out = picked[:, 0].to(acc_dtype)

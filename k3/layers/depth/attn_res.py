@@ -51,7 +51,9 @@ class DepthStream:
             return self.partial if norm is None else norm(self.partial)
         h = self._mix_sources(query, norm)
         if self.sublayer % self.block_size == 0 and self.partial is not None:
-            block, sink = seal_source(self.partial)  # every later mix reads it: their gradients summed in place
+            block, sink = self.partial, None
+            if uses_kernel([block]):  # every later mix's kernel reads it: their gradients summed in place
+                block, sink = seal_source(block)
             self.blocks.append(block)
             if sink is not None:
                 self.sinks[id(block)] = sink

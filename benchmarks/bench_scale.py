@@ -7,11 +7,15 @@
 Each layout is a real `k3 train` run (`torchrun --nproc_per_node N -m k3 train ...` for N > 1) on the embedded
 standard-library corpus, with the same per-rank batch (`--batch-size` sequences of `--seq-len` tokens):
   one    1 device, the baseline;
+  graph  1 device with --cuda-graph (cuda only): the fastest one-device step, for reference (not a baseline: the
+         step of several processes cannot be captured);
   dp     --dp N   (FSDP2): N x the tokens per step;
   ep     --ep N   (MoonEP experts, each rank its own slice): N x the tokens per step;
   cp     --cp N   (KCP: each sequence split along time over the N devices): the same tokens per step as one
          device, each device holds 1/N of every sequence (what CP is for: sequences too long for one device);
   dpxep  --dp 2 --ep N/2 (needs N >= 4).
+Every layout runs the same step: regional ``--compile`` on CUDA (``--no-compile`` for the eager step), no CUDA
+graph (a captured step is one process's: ``--cuda-graph`` refuses torchrun), ``--memory-policy keep``.
 Throughput is the median of the per-step `tokens_per_s` that `k3 train` logs (all ranks' tokens), after
 ``--warmup`` steps; per device = that / N; scaling efficiency = per-device tokens/s / the one-device run's.
 """
@@ -30,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import header  # noqa: E402
 
-LAYOUTS = {"one": (1, []), "dp": (None, ["--dp", "{n}"]), "ep": (None, ["--ep", "{n}"]),
+LAYOUTS = {"one": (1, []), "graph": (1, ["--cuda-graph"]), "dp": (None, ["--dp", "{n}"]), "ep": (None, ["--ep", "{n}"]),
            "cp": (None, ["--cp", "{n}"]), "dpxep": (None, ["--dp", "2", "--ep", "{half}"])}
 
 
@@ -43,7 +47,8 @@ def run_layout(name: str, n: int, args, out: Path) -> dict:
     train = ["--preset", args.preset, "--steps", str(args.steps), "--seq-len", str(args.seq_len),
              "--batch-size", str(args.batch_size), "--data-max-bytes", str(args.data_max_bytes),
              "--vocab-size", str(args.vocab_size), "--eval-every", str(10 ** 9), "--save-every", str(10 ** 9),
-             "--log-every", "1", "--device", args.device, "--out", str(out / name)] + extra
+             "--log-every", "1", "--device", args.device, "--memory-policy", args.memory_policy,
+             "--out", str(out / name)] + (["--compile"] if args.compile else []) + extra
     launcher = [sys.executable, "-m", "k3", "train"] if procs == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "-m", "k3", "train"]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if args.device == "cpu" else "8")}
@@ -76,9 +81,14 @@ def main():
     ap.add_argument("--vocab-size", type=int, default=32768)
     ap.add_argument("--data-max-bytes", type=int, default=8_000_000)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="every layout with --compile (regional torch.compile); default: on for cuda, off for cpu")
+    ap.add_argument("--memory-policy", default="keep", help="k3 train's --memory-policy for every layout")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per layout")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.compile is None:
+        args.compile = args.device == "cuda"
     layouts = args.layouts.split(",")
     unknown = [x for x in layouts if x not in LAYOUTS]
     if unknown:
@@ -91,7 +101,8 @@ def main():
             if "error" in rows[-1]:
                 print(rows[-1]["error"], file=sys.stderr, flush=True)
     base = next((r["tokens_per_s_per_device"] for r in rows if r["layout"] == "one" and "tokens_per_s" in r), None)
-    print(f"\n{args.preset}, {args.batch_size} x {args.seq_len} tokens per rank per step, device {args.device}")
+    print(f"\n{args.preset}, {args.batch_size} x {args.seq_len} tokens per rank per step, device {args.device}, "
+          f"compile {'on' if args.compile else 'off'}, memory policy {args.memory_policy}")
     print("| layout | devices | tokens/step | tokens/s | per device | scaling efficiency |\n|---|---|---|---|---|---|")
     for r in rows:
         if "tokens_per_s" not in r:

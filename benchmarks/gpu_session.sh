@@ -88,7 +88,8 @@ for s in $steps; do
     nccl)   K3_TEST_BACKEND=nccl K3_KDA_BACKEND=${K3_KDA_BACKEND:-torch} timeout ${T_NCCL:-420} python3 -m pytest -q -p no:cacheprovider -W ignore -m distributed tests/distributed 2>&1 | tee "$L/nccl_tests.log" ;;
     flacp)  timeout ${T_FLACP:-420} python3 -m pytest -q -s -p no:cacheprovider -W ignore tests/gpu/test_fla_cp.py 2>&1 | tee "$L/fla_cp_test.log" ;;
     kcp)    for r in 1 $NGPU; do timeout ${T_KCP:-300} $TR $r benchmarks/bench_kcp.py --json "$L/bench_kcp_r$r.json" 2>&1 | tee "$L/bench_kcp_r$r.log"; done ;;
-    scale)  timeout ${T_SCALE:-540} python3 benchmarks/bench_scale.py --gpus $NGPU --json "$L/bench_scale.json" 2>&1 | tee "$L/bench_scale.log" ;;
+    # k3 train --compile per layout (SCALE_ARGS replaces the layouts and steps), the corpus at 3 MB
+    scale)  timeout ${T_SCALE:-540} python3 benchmarks/bench_scale.py --gpus $NGPU --data-max-bytes 3000000 ${SCALE_ARGS:---layouts one,graph,dp,ep,cp --steps 10 --warmup 4} --json "$L/bench_scale.json" 2>&1 | tee "$L/bench_scale.log" ;;
     *) echo "unknown step $s (tests serve decode train trainc ktrain profile memory cp kda kdadec attnres tkern muon packed quant qdecode post nccl flacp kcp scale)"; exit 2 ;;
   esac
 done

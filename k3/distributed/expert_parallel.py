@@ -216,6 +216,7 @@ class ExpertParallelBank(nn.Module):
         m, r = self.num_experts // self.world_size, self.rank
         return f"experts [{r * m}, {(r + 1) * m}) of {self.num_experts}, rank {r} of {self.world_size}"
 
+    @torch.compiler.disable  # host-planned splits and collectives: eager inside a compiled FFN (k3 train --compile)
     def forward(self, z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """z [N,L], weights/idx [N,k] (this rank's tokens) -> sum_j w_j E_j(z) [N,L] in fp32."""
         k = idx.shape[1]

@@ -95,6 +95,18 @@ def test_ep2_reproduces_the_single_process_loss_curve_and_saves_full_experts(tmp
     assert worst < WEIGHT_ATOL, (worst, name)  # every weight, MTP and router biases included, after 4 steps (CPU ~1e-5)
 
 
+@pytest.mark.distributed
+@needs_backend(2)
+def test_ep2_compiled_reproduces_the_single_process_loss_curve(tmp_path):
+    """`--ep 2 --compile`: the compiled FFN runs the expert-parallel bank (host-planned splits, all-to-alls)
+    eagerly inside it, as `bench_scale.py` measures it; inductor only reorders float sums (tolerance 1e-4)."""
+    single = _run(ONE + ["--batch-size", "4"], tmp_path / "one")
+    ep = _run(torchrun(2) + ["--batch-size", "2", "--ep", "2", "--compile"], tmp_path / "ep")
+    assert [r["step"] for r in ep] == [1, 2, 3, 4]
+    for a, b in zip(single, ep):
+        assert abs(a["loss"] - b["loss"]) < max(LOSS_RTOL, 1e-4) * a["loss"], (a, b)
+
+
 def test_parallel_dims_sizes_and_errors():
     from k3.distributed.plan import ParallelDims
 

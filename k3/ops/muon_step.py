@@ -5,7 +5,8 @@ A parameter's blocks (heads, experts, or the whole matrix; transposed when tall,
 orientation) are a strided view [N, R, C] of its storage; its slot in the batch is [N, R, C], contiguous, in the
 batch's dtype (bf16 on CUDA). For each tensor i of a bucket:
 
-    momentum:  buf_i <- lerp(buf_i, g_i, 1 - mu_i);  slot_i <- round(lerp(g_i, buf_i, mu_i))   (Nesterov; else buf_i)
+    momentum:  g_i <- scale g_i (optional: clipping);  buf_i <- lerp(buf_i, g_i, 1 - mu_i);
+               slot_i <- round(lerp(g_i, buf_i, mu_i))                  (Nesterov; else buf_i)
     update:    p_i   <- p_i * decay_i + alpha_i * slot_i                   (decay = 1 - lr wd, alpha = -lr 0.2 sqrt(n))
 
 On CUDA each pass is one Triton launch per memory order in the bucket (every tile of every tensor whose rows, or
@@ -37,18 +38,24 @@ def fused_applies(tensors: list[torch.Tensor]) -> bool:
 
 
 def momentum_into(grads: list[torch.Tensor], bufs: list[torch.Tensor], slots: list[torch.Tensor], mus: list[float],
-                  nesterovs: list[bool]) -> None:
+                  nesterovs: list[bool], scale: torch.Tensor | None = None) -> None:
     """Update each momentum ``bufs[i]`` in place from ``grads[i]`` and write the step's direction into ``slots[i]``.
     grads[i], bufs[i]: [N, R, C] views with the same strides; slots[i]: contiguous [N, R, C]. Gradients are read,
-    not written."""
+    not written. ``scale``: a 0-d tensor on their device every gradient is multiplied by first (g <- scale g:
+    gradient clipping's coefficient)."""
     _check(grads, bufs, slots, mus, nesterovs)
     if not grads:
         return
+    if scale is not None and (scale.numel() != 1 or scale.device != grads[0].device):
+        raise ValueError(f"muon_step: scale must be one number on the gradients' device {grads[0].device}; got shape "
+                         f"{tuple(scale.shape)} on {scale.device}")
     if fused_applies(grads + bufs + slots) and _one_dtype(grads + bufs) and _one_dtype(slots):
         from ._muon_triton import momentum
 
-        return momentum(grads, bufs, slots, mus, nesterovs)
+        return momentum(grads, bufs, slots, mus, nesterovs, scale)
     for g, b, s, mu, nesterov in zip(grads, bufs, slots, mus, nesterovs):
+        if scale is not None:
+            g = g * scale.to(g.dtype)
         b.lerp_(g, 1 - mu)
         s.copy_(torch.lerp(g, b, mu) if nesterov else b)
 

@@ -28,7 +28,7 @@ from .balance import ExpertBalancer
 from .compile import compile_model
 from .graph import StepGraph
 from .memory import ActivationManager
-from .optim import build_optimizer
+from .optim import build_optimizer, clip_coefficient
 from .plan import StepLoss
 from .qk_clip import enable_max_logit_tracking, qk_clip_
 from .schedule import build_scheduler, resume_point
@@ -123,10 +123,10 @@ class Trainer:
                 self.balancer.observe()
             self.tokens += tokens
         self.plan.reduce_grads(model)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.grad_clip)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        # clipping's factor is applied inside the optimiser's passes (no pass of its own over the gradients)
+        grad_norm, coef = clip_coefficient(model.parameters(), self.cfg.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
+        self.optimizer.step(scale=coef)
         self.scheduler.step()
         if not graphed:  # a graph's gradients are its own memory, written afresh by every replay
             self.optimizer.zero_grad(set_to_none=True)

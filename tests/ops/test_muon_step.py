@@ -53,6 +53,37 @@ def test_momentum_kernel_is_the_two_lerps_and_the_cast_into_the_slots():
 
 
 @needs_triton
+def test_momentum_with_a_scale_is_the_momentum_of_the_scaled_gradients():
+    """``scale`` (gradient clipping's coefficient, a device scalar) read in the kernel == the kernel over gradients
+    scaled beforehand == the torch-op reference (on CPU tensors), which multiplies first; the gradients are left as
+    they were."""
+    from k3.ops._muon_triton import momentum
+
+    g0 = [torch.randn(shape, device=DEV) for shape, _, _ in LAYOUTS]
+    b0 = [torch.randn(shape, device=DEV) for shape, _, _ in LAYOUTS]
+    views = lambda ts: [_blocks(t, kind, H) for t, (_, kind, H) in zip(ts, LAYOUTS)]  # noqa: E731
+    mus, nest = [0.95] * len(LAYOUTS), [True, False] * (len(LAYOUTS) // 2)
+
+    def run(step, grads, scale, device=DEV):
+        g, b = [x.to(device, copy=True) for x in grads], [x.to(device, copy=True) for x in b0]
+        slots = [torch.empty(v.shape, device=device) for v in views(g)]
+        step(views(g), views(b), slots, mus, nest, *([scale.to(device)] if scale is not None else []))
+        return g, b, slots
+
+    scale = torch.tensor(0.37, device=DEV)
+    g, *kernel = run(momentum, g0, scale)
+    _, *before = run(momentum, [x * scale for x in g0], None)
+    _, *ref = run(ms.momentum_into, g0, scale, "cpu")
+    for i in range(len(LAYOUTS)):
+        for got, want in ((kernel, before), (kernel, ref)):
+            torch.testing.assert_close(got[0][i].cpu(), want[0][i].cpu(), **_tol(), msg=str(LAYOUTS[i]))
+            torch.testing.assert_close(got[1][i].cpu(), want[1][i].cpu(), **_tol(), msg=str(LAYOUTS[i]))
+        assert torch.equal(g[i], g0[i])
+    with pytest.raises(ValueError, match="scale must be one number"):
+        run(ms.momentum_into, g0, torch.ones(2, device=DEV))
+
+
+@needs_triton
 def test_update_kernel_adds_each_slot_into_its_weight_through_its_view():
     from k3.ops._muon_triton import update
 

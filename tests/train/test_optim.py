@@ -465,3 +465,49 @@ def test_muon_keeps_its_buckets_while_the_parameters_stay_and_rebuilds_them_when
     a.grad = ga.clone()
     opt.step()
     assert opt._plan is not kept
+
+
+@pytest.mark.parametrize("fused_adamw", [False, True])
+def test_clipping_folded_into_the_step_equals_clip_grad_norm_then_step(fused_adamw):
+    """``clip_coefficient`` + ``step(scale=coef)`` (the factor read in Muon's momentum pass and by fused AdamW as
+    its grad_scale; the foreach AdamW multiplies the gradients) == torch's clip_grad_norm_ then step(), over two
+    steps with the norm above the limit and one below; the same norm is returned."""
+    from k3.train.optim import CombinedOptimizer, clip_coefficient
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM(TINY)
+    grads = [{n: torch.randn_like(p) * s for n, p in model.named_parameters()} for s in (3.0, 1e-3, 2.0)]
+
+    def run(folded):
+        m = copy.deepcopy(model)
+        opt = build_optimizer(m, lr=1e-2)
+        if fused_adamw:  # on CPU too: the grad_scale path of torch's fused kernel
+            a = opt.optimizers["adamw"]
+            opt = CombinedOptimizer(muon=opt.optimizers["muon"], adamw=torch.optim.AdamW(
+                a.param_groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True))
+        norms = []
+        for g in grads:
+            for n, p in m.named_parameters():
+                p.grad = g[n].clone()
+            if folded:
+                norm, coef = clip_coefficient(m.parameters(), 1.0)
+                opt.step(scale=coef)
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+                opt.step()
+            norms.append(norm)
+            opt.zero_grad()
+        return m, norms
+
+    (ref, ref_norms), (out, out_norms) = run(False), run(True)
+    torch.testing.assert_close(torch.stack(out_norms), torch.stack(ref_norms), rtol=1e-6, atol=0)
+    assert ref_norms[0] > 1 > ref_norms[1]  # clipped and not
+    for (n, p), q in zip(out.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_clip_coefficient_needs_gradients():
+    from k3.train.optim import clip_coefficient
+
+    with pytest.raises(ValueError, match="no parameter has a gradient"):
+        clip_coefficient(K3ForCausalLM(TINY).parameters(), 1.0)

@@ -2,6 +2,7 @@
 
     describe_param_groups(model)  name -> ParamPlan(optimizer, split, weight_decay), the single source of truth
     build_optimizer(model, lr)    a CombinedOptimizer(muon=Muon(...), adamw=AdamW(...)) built from that plan
+    clip_coefficient(params, c)   the gradients' norm and clipping's factor, applied by step(scale=...) in its passes
 
 Muon gets every 2-D hidden matrix; attention projections whose rows (or, for output projections, columns) are
 grouped by head are orthogonalised per head ("rows:H" / "cols:H"), routed experts [E, out, in] per expert
@@ -16,12 +17,15 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
 
 from ...layers.sequence.kda import KimiDeltaAttention, ShortConvolution
 from ...layers.sequence.mla import GatedMLA
 from .muon import Muon, newton_schulz
 
-__all__ = ["Muon", "newton_schulz", "ParamPlan", "describe_param_groups", "build_optimizer", "CombinedOptimizer"]
+__all__ = ["Muon", "newton_schulz", "ParamPlan", "describe_param_groups", "build_optimizer", "CombinedOptimizer",
+           "clip_coefficient"]
 
 
 class ParamPlan(NamedTuple):
@@ -108,13 +112,31 @@ class CombinedOptimizer(torch.optim.Optimizer):
         self.state = {p: s for o in self.optimizers.values() for p, s in o.state.items()}
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, scale: torch.Tensor | None = None):
+        """Step every part. ``scale``: a 0-d tensor on the gradients' device that every gradient is multiplied by
+        first (gradient clipping's coefficient, ``clip_coefficient``), folded into the parts' own passes where they
+        have one: Muon's momentum kernel, fused AdamW's ``grad_scale`` (which divides: 1 / scale); any other part's
+        gradients are multiplied in place."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for o in self.optimizers.values():
-            o.step()
+            if scale is None:
+                o.step()
+            elif isinstance(o, Muon):
+                o.step(scale=scale)
+            elif isinstance(o, torch.optim.AdamW) and all(g.get("fused") for g in o.param_groups):
+                o.grad_scale = scale.reciprocal()
+                try:
+                    o.step()
+                finally:
+                    del o.grad_scale
+            else:
+                grads = [p.grad for g in o.param_groups for p in g["params"] if p.grad is not None]
+                with implicit_replication():  # DTensor gradients (FSDP2): the plain 0-d scale as a replicated factor
+                    torch._foreach_mul_(grads, scale)
+                o.step()
         self._link()  # children create state lazily on their first step
         return loss
 
@@ -135,6 +157,22 @@ class CombinedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"CombinedOptimizer({', '.join(f'{k}={type(o).__name__}' for k, o in self.optimizers.items())})"
+
+
+def clip_coefficient(params, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the global L2 norm of the gradients of ``params``, gradient clipping's coefficient), both 0-d tensors on the
+    device, the gradients untouched:
+
+        norm = sqrt(sum_p ||g_p||^2),   coef = min(1, max_norm / (norm + 1e-6))        (torch's clip_grad_norm_)
+
+    The step then multiplies by ``coef`` inside its own passes (``CombinedOptimizer.step(scale=coef)``) instead of a
+    pass of its own over every gradient. FSDP2 shards (DTensors) give the norm over the whole gradients."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        raise ValueError("clip_coefficient: no parameter has a gradient (run the backward first)")
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return norm, (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
 def build_optimizer(model: nn.Module, lr: float = 2e-4, weight_decay: float = 0.1,

@@ -23,6 +23,7 @@ import math
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.optim import Optimizer
 
 from ...ops.muon_step import apply_update, momentum_into
@@ -137,13 +138,15 @@ class Muon(Optimizer):
             parse_split(group["split"], p.shape, f"Muon param group {len(self.param_groups) - 1} param {i}")
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, scale: torch.Tensor | None = None):
+        """One update; ``scale``: a 0-d tensor every gradient is multiplied by first (gradient clipping's
+        coefficient, ``clip_coefficient``), read in the momentum pass: the gradients are not written."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for bucket in self._buckets():
-            self._update(bucket)
+            self._update(bucket, scale)
         return loss
 
     def _buckets(self) -> list["_Bucket"]:
@@ -178,7 +181,7 @@ class Muon(Optimizer):
         self._plan = (key, buckets)
         return buckets
 
-    def _update(self, bucket: "_Bucket") -> None:
+    def _update(self, bucket: "_Bucket", scale: torch.Tensor | None = None) -> None:
         """One bucket: blocks of one (wide) shape from any number of parameters, through Newton-Schulz as ONE
         batched bmm chain. Each parameter's blocks are a strided view of its storage (``_blocks``), through which
         its slot in the batch (bf16 on CUDA) is filled and its update added back: the momentum and Nesterov mix into
@@ -199,12 +202,15 @@ class Muon(Optimizer):
         momentum_into([bucket.view(i, items[i][0].grad) for i in plain],
                       [bucket.view(i, self.state[items[i][0]]["momentum_buffer"]) for i in plain],
                       [slots[i] for i in plain], [items[i][1]["momentum"] for i in plain],
-                      [items[i][1]["nesterov"] for i in plain])
+                      [items[i][1]["nesterov"] for i in plain], scale)
         for (p, group, kind, H), slot in zip(items, slots):
             if isinstance(p, DTensor):
-                buf, mu = self.state[p]["momentum_buffer"], group["momentum"]
-                buf.lerp_(p.grad, 1 - mu)
-                u = torch.lerp(p.grad, buf, mu) if group["nesterov"] else buf
+                buf, mu, g = self.state[p]["momentum_buffer"], group["momentum"], p.grad
+                if scale is not None:
+                    with implicit_replication():  # the plain 0-d scale as a replicated factor
+                        g = g * scale
+                buf.lerp_(g, 1 - mu)
+                u = torch.lerp(g, buf, mu) if group["nesterov"] else buf
                 slot.copy_(_blocks(u.full_tensor(), kind, H))
         O = newton_schulz(X, bucket.steps, eps=bucket.eps).split(sizes)
         scale = 0.2 * math.sqrt(bucket.n_max)

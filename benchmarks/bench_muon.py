@@ -8,6 +8,9 @@ Each row: the model's parameters on the GPU (fp32, as in training), random gradi
 optimiser's ``step()`` timed with CUDA events (median of ``--iters`` after ``--warmup``). "floor" is the Muon step's
 elementwise traffic at the H200's ~4.8 TB/s (read gradient, momentum and weight, write momentum and weight, write
 and read the bf16 batch: 26 bytes per element) plus nothing for Newton-Schulz, whose GEMMs are compute-bound.
+"unfused" also runs Newton-Schulz's normalisation and a I + b G as torch ops. Then, fused, the step with gradient
+clipping: torch's ``clip_grad_norm_`` (a norm pass and a pass scaling every gradient) then ``step()``, against
+``clip_coefficient`` and ``step(scale=...)`` (the factor read inside the step's passes, as ``k3 train`` runs it).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.common import cuda_time_ms, header  # noqa: E402
 from k3 import K3Config, K3ForCausalLM  # noqa: E402
 import k3.ops.muon_step as muon_step  # noqa: E402
-from k3.train.optim import build_optimizer  # noqa: E402
+from k3.train.optim import build_optimizer, clip_coefficient  # noqa: E402
 
 
 def main() -> None:
@@ -36,8 +39,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_muon.py times CUDA kernels: run it on a GPU")
     rows = []
-    print("| preset | Muon params | AdamW params | unfused ms | fused ms | unfused / fused | floor ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("| preset | Muon params | AdamW params | unfused ms | fused ms | unfused / fused | floor ms | clip_grad_norm_ + "
+          "step ms | clipping folded ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for preset in args.presets.split(","):
         torch.manual_seed(0)
         with torch.device("cuda"):
@@ -55,12 +59,25 @@ def main() -> None:
                 times[name] = cuda_time_ms(opt.step, warmup=args.warmup, iters=args.iters)
             finally:
                 muon_step.fused_applies = real
+        params = list(model.parameters())
+
+        def clip_then_step():  # torch's clipping: a norm pass, then a pass multiplying every gradient
+            torch.nn.utils.clip_grad_norm_(params, 1e-6)  # always clipping (the gradients shrink each call)
+            opt.step()
+
+        def folded():  # the norm pass, the factor read inside the step's own passes (what k3 train runs)
+            opt.step(scale=clip_coefficient(params, 1e-6)[1])
+
+        times["clip_then_step"] = cuda_time_ms(clip_then_step, warmup=args.warmup, iters=args.iters)
+        times["clip_folded"] = cuda_time_ms(folded, warmup=args.warmup, iters=args.iters)
         floor = n_muon * 26 / 4.8e12 * 1e3
         row = dict(preset=preset, muon_params=n_muon, adamw_params=n_adam, unfused_ms=times["unfused"],
-                   fused_ms=times["fused"], floor_ms=floor)
+                   fused_ms=times["fused"], floor_ms=floor, clip_then_step_ms=times["clip_then_step"],
+                   clip_folded_ms=times["clip_folded"])
         rows.append(row)
         print(f"| {preset} | {n_muon / 1e6:.0f}M | {n_adam / 1e6:.0f}M | {times['unfused']:.1f} | "
-              f"{times['fused']:.1f} | {times['unfused'] / times['fused']:.2f}x | {floor:.1f} |", flush=True)
+              f"{times['fused']:.1f} | {times['unfused'] / times['fused']:.2f}x | {floor:.1f} | "
+              f"{times['clip_then_step']:.1f} | {times['clip_folded']:.1f} |", flush=True)
         del model, opt
         torch.cuda.empty_cache()
     if args.json:

@@ -120,3 +120,71 @@ def momentum(grads: list, bufs: list, slots: list, mus: list[float], nesterovs: 
 
 def update(params: list, slots: list, decays: list[float], alphas: list[float]) -> None:
     _launch(_update_kernel, params, None, slots, [(float(d), float(a)) for d, a in zip(decays, alphas)])
+
+
+# ---------------------------------------------------------------- Newton-Schulz's elementwise passes
+
+@triton.jit
+def _sumsq_kernel(X, PART, M, S, CH: tl.constexpr, BLOCK: tl.constexpr):
+    """PART[n, s] = sum of x^2 over chunk s (CH elements) of block n; grid (N, S)."""
+    n, s = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in tl.static_range(0, CH, BLOCK):
+        off = s * CH + i + tl.arange(0, BLOCK)
+        x = tl.load(X + n * M + off, mask=off < M, other=0.0).to(tl.float32)
+        acc += x * x
+    tl.store(PART + n * S + s, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _normalize_kernel(X, PART, OUT, M, S, eps, SP: tl.constexpr, CH: tl.constexpr, BLOCK: tl.constexpr):
+    """OUT[n] = X[n] / max(||X[n]||_F, eps) in OUT's dtype, the norm summed from PART[n, :S] (in one order: the
+    same bits every run); grid (N, S)."""
+    n, s = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    j = tl.arange(0, SP)
+    sq = tl.sum(tl.load(PART + n * S + j, mask=j < S, other=0.0), axis=0)
+    inv = 1.0 / tl.maximum(tl.sqrt(sq), eps)
+    for i in tl.static_range(0, CH, BLOCK):
+        off = s * CH + i + tl.arange(0, BLOCK)
+        m = off < M
+        x = tl.load(X + n * M + off, mask=m, other=0.0).to(tl.float32)
+        tl.store(OUT + n * M + off, (x * inv).to(OUT.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _poly_kernel(G, OUT, total, A, a, b, BLOCK: tl.constexpr):
+    """OUT = a I + b G over [N, A, A] (contiguous), one pass; grid cdiv(N A A, BLOCK)."""
+    off = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = off < total
+    g = tl.load(G + off, mask=m, other=0.0).to(tl.float32)
+    diag = (off // A) % A == off % A
+    tl.store(OUT + off, (b * g + tl.where(diag, a, 0.0)).to(OUT.dtype.element_ty), mask=m)
+
+
+_CH, _BLOCK = 16384, 2048
+
+
+def normalize_blocks(x: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """x [N, A, B] contiguous -> x[n] / max(||x[n]||_F, eps) per block, in ``dtype``: two launches (partial sums
+    of squares per chunk, then the scaling, which sums them in a fixed order)."""
+    N = x.shape[0]
+    M = x[0].numel()
+    S = triton.cdiv(M, _CH)
+    part = torch.empty(N, S, device=x.device, dtype=torch.float32)
+    out = torch.empty(x.shape, device=x.device, dtype=dtype)
+    if N == 0 or M == 0:
+        return out
+    _sumsq_kernel[(N, S)](x, part, M, S, CH=_CH, BLOCK=_BLOCK, num_warps=8)
+    _normalize_kernel[(N, S)](x, part, out, M, S, float(eps), SP=max(16, triton.next_power_of_2(S)), CH=_CH,
+                              BLOCK=_BLOCK, num_warps=8)
+    return out
+
+
+def ns_poly(gram: torch.Tensor, a: float, b: float) -> torch.Tensor:
+    """a I + b gram for gram [N, A, A] contiguous, in gram's dtype."""
+    out = torch.empty_like(gram)
+    total = gram.numel()
+    if total:
+        _poly_kernel[(triton.cdiv(total, 4096),)](gram, out, total, gram.shape[-1], float(a), float(b), BLOCK=4096,
+                                                 num_warps=8)
+    return out

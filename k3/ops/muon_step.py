@@ -1,5 +1,5 @@
 """Muon's elementwise passes as one kernel each per bucket (SPEC §5): the momentum into the Newton-Schulz batch, the
-update back into the weights.
+update back into the weights, and Newton-Schulz's own (the normalisation of each block, a I + b G per iteration).
 
 A parameter's blocks (heads, experts, or the whole matrix; transposed when tall, so every block of a batch has one
 orientation) are a strided view [N, R, C] of its storage; its slot in the batch is [N, R, C], contiguous, in the
@@ -23,7 +23,7 @@ import torch
 
 from ._triton import triton_available
 
-__all__ = ["fused_applies", "kernel_types", "momentum_into", "apply_update"]
+__all__ = ["fused_applies", "kernel_types", "momentum_into", "apply_update", "normalized_blocks", "ns_polynomial"]
 
 
 def kernel_types(tensors: list[torch.Tensor]) -> bool:
@@ -73,6 +73,37 @@ def apply_update(params: list[torch.Tensor], slots: list[torch.Tensor], decays: 
         return update(params, slots, decays, alphas)
     for p, s, decay, alpha in zip(params, slots, decays, alphas):
         p.mul_(decay).add_(s, alpha=alpha)
+
+
+def normalized_blocks(G: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """Newton-Schulz's start: each block of G [N, A, B] over its Frobenius norm, in ``dtype``:
+
+        X_n = G_n / max(||G_n||_F, eps)
+
+    On CUDA two Triton launches for the whole batch (partial sums of squares, then the scaling, which also casts),
+    in fp32 arithmetic; elsewhere torch ops in ``dtype`` (the reference)."""
+    if G.dim() != 3:
+        raise ValueError(f"normalized_blocks: need blocks [N, A, B], got shape {tuple(G.shape)}")
+    if fused_applies([G]) and G.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        from ._muon_triton import normalize_blocks
+
+        return normalize_blocks(G.contiguous(), eps, dtype)
+    X = G.to(dtype)
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)  # no fp32 copy of X
+    return X / norm.clamp(min=eps).to(X.dtype)
+
+
+def ns_polynomial(gram: torch.Tensor, a: float, b: float) -> torch.Tensor:
+    """a I + b gram for gram [N, A, A], a new tensor: one Triton pass on CUDA, torch ops elsewhere."""
+    if gram.dim() != 3 or gram.shape[-1] != gram.shape[-2]:
+        raise ValueError(f"ns_polynomial: need square blocks [N, A, A], got shape {tuple(gram.shape)}")
+    if fused_applies([gram]) and gram.is_contiguous() and gram.dtype in (torch.float32, torch.bfloat16):
+        from ._muon_triton import ns_poly
+
+        return ns_poly(gram, a, b)
+    poly = gram * b
+    poly.diagonal(dim1=-2, dim2=-1).add_(a)
+    return poly
 
 
 def _one_dtype(tensors: list[torch.Tensor]) -> bool:

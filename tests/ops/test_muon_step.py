@@ -84,6 +84,32 @@ def test_momentum_with_a_scale_is_the_momentum_of_the_scaled_gradients():
 
 
 @needs_triton
+@pytest.mark.parametrize("shape", [(5, 40, 70), (3, 200, 250)])  # one chunk per block; several (S = 4), one partial
+def test_newton_schulz_normalisation_kernel_is_each_block_over_its_frobenius_norm(shape):
+    """X_n = G_n / max(||G_n||_F, eps), cast to the batch's dtype; a zero block stays zero (eps)."""
+    from k3.ops._muon_triton import normalize_blocks
+
+    G = torch.randn(shape, device=DEV) * torch.arange(shape[0], device=DEV)[:, None, None]  # block 0 all zeros
+    want = G / torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True).clamp(min=1e-7)
+    torch.testing.assert_close(normalize_blocks(G, 1e-7, torch.float32), want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(normalize_blocks(G, 1e-7, torch.bfloat16), want.bfloat16(), atol=4e-3, rtol=8e-3)
+    assert torch.equal(normalize_blocks(G, 1e-7, torch.float32)[0], torch.zeros(shape[1:], device=DEV))
+    torch.testing.assert_close(ms.normalized_blocks(G.cpu(), 1e-7, torch.float32), want.cpu(), atol=1e-6, rtol=1e-5)
+
+
+@needs_triton
+def test_newton_schulz_polynomial_kernel_is_a_identity_plus_b_gram():
+    from k3.ops._muon_triton import ns_poly
+
+    gram = torch.randn(3, 37, 37, device=DEV)
+    want = 2.5 * gram + 3.4445 * torch.eye(37, device=DEV)
+    torch.testing.assert_close(ns_poly(gram, 3.4445, 2.5), want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ms.ns_polynomial(gram.cpu(), 3.4445, 2.5), want.cpu(), atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="square blocks"):
+        ms.ns_polynomial(torch.zeros(2, 3, 4), 1.0, 1.0)
+
+
+@needs_triton
 def test_update_kernel_adds_each_slot_into_its_weight_through_its_view():
     from k3.ops._muon_triton import update
 

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.optim import Optimizer
 
-from ...ops.muon_step import apply_update, momentum_into
+from ...ops.muon_step import apply_update, momentum_into, normalized_blocks, ns_polynomial
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 SPLIT_HELP = 'expected "whole", "rows:H", "cols:H" (H a positive int dividing that dim) or "experts"'
@@ -44,17 +44,14 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coeffs: tuple[float, float, f
     if G.dim() < 2:
         raise ValueError(f"newton_schulz needs a matrix or a batch of matrices [..., A, B], got shape {tuple(G.shape)}")
     a, b, c = coeffs
-    X = (G.bfloat16() if G.is_cuda else G.float()).reshape(-1, *G.shape[-2:])  # [N,A,B]
+    X = normalized_blocks(G.reshape(-1, *G.shape[-2:]), eps, torch.bfloat16 if G.is_cuda else torch.float32)
     tall = G.size(-2) > G.size(-1)
     if tall:  # iterate on the wide orientation: the Gram matrix X X^T is then min(A, B) square
         X = X.mT
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)  # no fp32 copy of X
-    X = X / norm.clamp(min=eps).to(X.dtype)
     for _ in range(steps):
         gram = X @ X.mT
-        poly = gram * b
-        poly.diagonal(dim1=-2, dim2=-1).add_(a)
-        poly.baddbmm_(gram, gram, alpha=c)  # a I + b G + c G^2, in place: no copy of G for the GEMM's C
+        poly = ns_polynomial(gram, a, b)  # a I + b G, one pass
+        poly.baddbmm_(gram, gram, alpha=c)  # + c G^2, in place: no copy of G for the GEMM's C
         X = poly @ X  # a X + (b G + c G^2) X; as one product no copy of X either (baddbmm(X, ...) copies X first)
     if tall:
         X = X.mT

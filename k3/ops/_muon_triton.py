@@ -152,13 +152,16 @@ def _normalize_kernel(X, PART, OUT, M, S, eps, SP: tl.constexpr, CH: tl.constexp
 
 
 @triton.jit
-def _poly_kernel(G, OUT, total, A, a, b, BLOCK: tl.constexpr):
-    """OUT = a I + b G over [N, A, A] (contiguous), one pass; grid cdiv(N A A, BLOCK)."""
-    off = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = off < total
+def _poly_kernel(G, OUT, A, a, b, BR: tl.constexpr, BC: tl.constexpr):
+    """OUT = a I + b G over [N, A, A] (contiguous), one pass in fp32 arithmetic; grid (N, cdiv(A, BR), cdiv(A, BC)),
+    each program a [BR, BC] tile (its rows and columns from its position: no division per element)."""
+    n = tl.program_id(0).to(tl.int64)
+    i = (tl.program_id(1) * BR + tl.arange(0, BR))[:, None]
+    j = (tl.program_id(2) * BC + tl.arange(0, BC))[None, :]
+    m = (i < A) & (j < A)
+    off = n * A * A + i * A + j
     g = tl.load(G + off, mask=m, other=0.0).to(tl.float32)
-    diag = (off // A) % A == off % A
-    tl.store(OUT + off, (b * g + tl.where(diag, a, 0.0)).to(OUT.dtype.element_ty), mask=m)
+    tl.store(OUT + off, (b * g + tl.where(i == j, a, 0.0)).to(OUT.dtype.element_ty), mask=m)
 
 
 _CH, _BLOCK = 16384, 2048
@@ -183,8 +186,8 @@ def normalize_blocks(x: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.T
 def ns_poly(gram: torch.Tensor, a: float, b: float) -> torch.Tensor:
     """a I + b gram for gram [N, A, A] contiguous, in gram's dtype."""
     out = torch.empty_like(gram)
-    total = gram.numel()
-    if total:
-        _poly_kernel[(triton.cdiv(total, 4096),)](gram, out, total, gram.shape[-1], float(a), float(b), BLOCK=4096,
-                                                 num_warps=8)
+    N, A = gram.shape[0], gram.shape[-1]
+    if gram.numel():
+        _poly_kernel[(N, triton.cdiv(A, 16), triton.cdiv(A, 256))](gram, out, A, float(a), float(b), BR=16, BC=256,
+                                                                   num_warps=4)
     return out

@@ -80,30 +80,30 @@ def normalized_blocks(G: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.
 
         X_n = G_n / max(||G_n||_F, eps)
 
-    On CUDA two Triton launches for the whole batch (partial sums of squares, then the scaling, which also casts),
-    in fp32 arithmetic; elsewhere torch ops in ``dtype`` (the reference)."""
+    in fp32 arithmetic, rounded once into ``dtype``: on CUDA two Triton launches for the whole batch (partial sums of
+    squares, then the scaling, which also casts); elsewhere torch ops (the reference)."""
     if G.dim() != 3:
         raise ValueError(f"normalized_blocks: need blocks [N, A, B], got shape {tuple(G.shape)}")
     if fused_applies([G]) and G.dtype in (torch.float32, torch.bfloat16, torch.float16):
         from ._muon_triton import normalize_blocks
 
         return normalize_blocks(G.contiguous(), eps, dtype)
-    X = G.to(dtype)
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)  # no fp32 copy of X
-    return X / norm.clamp(min=eps).to(X.dtype)
+    norm = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    return (G.float() * (1.0 / norm.clamp(min=eps))).to(dtype)
 
 
 def ns_polynomial(gram: torch.Tensor, a: float, b: float) -> torch.Tensor:
-    """a I + b gram for gram [N, A, A], a new tensor: one Triton pass on CUDA, torch ops elsewhere."""
+    """a I + b gram for gram [N, A, A], a new tensor in gram's dtype, computed in fp32 and rounded once: one Triton
+    pass on CUDA, torch ops elsewhere."""
     if gram.dim() != 3 or gram.shape[-1] != gram.shape[-2]:
         raise ValueError(f"ns_polynomial: need square blocks [N, A, A], got shape {tuple(gram.shape)}")
     if fused_applies([gram]) and gram.is_contiguous() and gram.dtype in (torch.float32, torch.bfloat16):
         from ._muon_triton import ns_poly
 
         return ns_poly(gram, a, b)
-    poly = gram * b
+    poly = gram.float() * b
     poly.diagonal(dim1=-2, dim2=-1).add_(a)
-    return poly
+    return poly.to(gram.dtype)
 
 
 def _one_dtype(tensors: list[torch.Tensor]) -> bool:

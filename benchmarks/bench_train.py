@@ -13,7 +13,8 @@ standard-library corpus through k3's own pipeline (a byte-level BPE of ``--vocab
 documents packed into samples of ``--seq-len`` tokens, ``--batch`` samples per step, a new batch every step);
 "stream" the same corpus as `k3 train --packing stream` packs it (each sample one segment).
 ``--cuda-graph``: every K3 row replays the step's forward and backward as one CUDA graph (`k3 train --cuda-graph`,
-k3.train.graph; the corpus's boundaries are data in the graph's buffers).
+k3.train.graph; the corpus's boundaries are data in the graph's buffers); ``--cuda-graph small`` only those presets'
+rows (a graph keeps its activation pool beside the optimiser's memory: ``medium`` at 8 x 4096 runs without).
 
 Peer rows ("dense"): plain PyTorch written here, the model a K3 row would be without its mechanisms, at the same
 width and depth: pre-norm RMSNorm, causal SDPA attention (head dim 64, or 128 from hidden 2048 up), SwiGLU MLP of
@@ -309,7 +310,7 @@ def k3_row(preset: str, cfg: K3Config, args, policy: str, batches=None, kind: st
     device = args.device
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg).to(device)
-    graphed = args.cuda_graph
+    graphed = args.cuda_graph is not None and (args.cuda_graph == "all" or preset in args.cuda_graph.split(","))
     tcfg = TrainConfig(out="-", steps=1_000_000, lr=1e-3, warmup_frac=0.0, mtp_weight=0.3, qk_clip_tau=100.0,
                        kda_backend=args.kda_backend, memory_policy=policy, compile=args.compile, cuda_graph=graphed)
     trainer = Trainer(tcfg, ParallelPlan(ParallelDims(), device=device), model, log=lambda *a: None)
@@ -382,8 +383,9 @@ def main():
     ap.add_argument("--memory-policy", default="keep", help=f"one of {', '.join(sorted(POLICIES))}, or several "
                     "(comma-separated): each K3 row runs under the first whose step fits in memory")
     ap.add_argument("--compile", action="store_true", help="regional torch.compile for K3, whole-model for the peer")
-    ap.add_argument("--cuda-graph", action="store_true", help="K3 rows: the step's forward and backward replayed as "
-                    "one CUDA graph (k3 train --cuda-graph)")
+    ap.add_argument("--cuda-graph", nargs="?", const="all", default=None, metavar="PRESETS",
+                    help="K3 rows: the step's forward and backward replayed as one CUDA graph (k3 train --cuda-graph); "
+                    "with a comma-separated list of presets, those presets' rows only")
     ap.add_argument("--vocab-size", type=int, default=32768, help="--docs corpus: the BPE's size (k3 train's default)")
     ap.add_argument("--data-max-bytes", type=int, default=8_000_000, help="--docs corpus: bytes of the corpus")
     ap.add_argument("--peak-tflops", type=float, default=780.0, help="the device's bf16 peak for MFU")
@@ -396,6 +398,9 @@ def main():
     bad = set(args.memory_policy.split(",")) - set(POLICIES)
     if bad:
         ap.error(f"--memory-policy: unknown {sorted(bad)}; choose from {', '.join(sorted(POLICIES))}")
+    graphs = set(args.cuda_graph.split(",")) - {"all"} if args.cuda_graph else set()
+    if graphs - set(args.presets.split(",")):
+        ap.error(f"--cuda-graph: {sorted(graphs - set(args.presets.split(',')))} not in --presets {args.presets}")
     kinds = args.docs.split(",")
     if set(kinds) - {"uniform", "corpus", "stream"}:
         ap.error(f"--docs: unknown {sorted(set(kinds) - {'uniform', 'corpus', 'stream'})}; choose from uniform, "

@@ -9,8 +9,9 @@ K3 rows: the `k3 train` step (k3.distributed.plan.ParallelPlan with every size 1
 tracking; backward; Quantile Balancing; gradient clipping; Muon + AdamW; QK-clip), bf16 autocast on CUDA, with the
 chosen ``--memory-policy`` and ``--compile`` (regional). ``--docs``: "uniform" packs ``--batch`` documents of
 exactly ``--seq-len`` tokens per step (the kernels' best case); "corpus" feeds what `k3 train` feeds: the embedded
-standard-library corpus through k3's own pipeline (a byte-level BPE of ``--vocab-size`` learned on its first 2 MB,
-documents packed into samples of ``--seq-len`` tokens, ``--batch`` samples per step, a new batch every step);
+standard-library corpus through `k3 train`'s own data step (its training split of ``--data-max-bytes``, a byte-level
+BPE of ``--vocab-size``, documents packed into samples of ``--seq-len`` tokens, ``--batch`` samples per step, a new
+batch every step, in the run's order);
 "stream" the same corpus as `k3 train --packing stream` packs it (each sample one segment).
 ``--cuda-graph``: every K3 row replays the step's forward and backward as one CUDA graph (`k3 train --cuda-graph`,
 k3.train.graph; the corpus's boundaries are data in the graph's buffers); ``--cuda-graph small`` only those presets'
@@ -43,6 +44,7 @@ first, and the device time per module class, forward and backward apart (which l
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import statistics
@@ -276,15 +278,25 @@ def row_stats(preset: str, name: str, docs: str, each: list[float], tokens: int,
 
 
 def corpus_batches(batch: int, T: int, vocab_size: int, max_bytes: int):
-    """(vocab, a function of ``boundaries`` giving endless batches {"input_ids" [1, batch*T], "cu_seqlens"}) as
-    `k3 train` builds them, ``--packing documents`` (True) or ``stream`` (False); the tokenizer is learned once."""
-    from k3.data import PackedDataset, encode_documents, eos_id, leading_documents, stdlib_documents, train_tokenizer
+    """(vocab, a function of ``boundaries`` giving endless batches {"input_ids" [1, batch*T], "cu_seqlens"}): the
+    training split `k3 train --data-max-bytes max_bytes --vocab-size vocab_size --seq-len T --batch-size batch`
+    trains on, through its own data step (``k3.train.data.prepare``: the same documents, BPE, packing and order),
+    ``--packing documents`` (True) or ``stream`` (False); the tokenizer is learned once."""
+    import tempfile
+    from types import SimpleNamespace
 
-    docs = stdlib_documents(max_bytes)
-    tok = train_tokenizer(leading_documents(docs, 2_000_000), vocab_size)
-    ids = encode_documents(tok, docs)
-    return tok.get_vocab_size(), lambda boundaries: PackedDataset(ids, T, eos_id(tok), shuffle_seed=0,
-                                                                   boundaries=boundaries).batches(batch)
+    from k3.train.data import prepare
+
+    cfg = TrainConfig(out="-", vocab_size=vocab_size, data_max_bytes=max_bytes, seq_len=T, batch_size=batch)
+    with tempfile.TemporaryDirectory() as run:  # where k3 train writes its tokenizer.json
+        data = prepare(cfg, Path(run), None, SimpleNamespace(rank=0, barrier=lambda: None))
+
+    def batches(boundaries: bool):
+        packed = copy.copy(data.train)  # the same tokens and order, its own position; documents marked or not
+        packed.boundaries = boundaries
+        return packed.batches(batch)
+
+    return data.tokenizer.get_vocab_size(), batches
 
 
 def k3_rows(preset: str, cfg: K3Config, args, batches=None, kind: str = "uniform") -> dict:
@@ -387,7 +399,8 @@ def main():
                     help="K3 rows: the step's forward and backward replayed as one CUDA graph (k3 train --cuda-graph); "
                     "with a comma-separated list of presets, those presets' rows only")
     ap.add_argument("--vocab-size", type=int, default=32768, help="--docs corpus: the BPE's size (k3 train's default)")
-    ap.add_argument("--data-max-bytes", type=int, default=8_000_000, help="--docs corpus: bytes of the corpus")
+    ap.add_argument("--data-max-bytes", type=int, default=3_000_000, help="--docs corpus: bytes of the corpus "
+                    "(k3 train's --data-max-bytes; gpu_session.sh ktrain runs k3 train on the same 3 MB)")
     ap.add_argument("--peak-tflops", type=float, default=780.0, help="the device's bf16 peak for MFU")
     ap.add_argument("--profile", default=None, metavar="DIR", help="profile one extra step per row into DIR")
     ap.add_argument("--profile-steps", type=int, default=1, help="with --profile: steps in the profiled window")

@@ -21,14 +21,16 @@ def grads(fn, h, w, y, scale):
     return loss.detach(), h.grad, w.grad
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 32, 100])
-def test_loss_and_gradients_equal_autograd_through_the_logits(chunk):
+@pytest.mark.parametrize("chunk,pad", [(1, 1), (7, 1), (32, 1), (100, 1), (7, 64), (100, 8)])
+def test_loss_and_gradients_equal_autograd_through_the_logits(chunk, pad):
+    """``pad``: the vocabulary (37) run as 64 or 40 rows (CUDA pads to 64): zero rows, -inf logits, dropped."""
     torch.manual_seed(0)
     h, w = torch.randn(45, 16, dtype=torch.float64), torch.randn(37, 16, dtype=torch.float64)
     y = torch.randint(0, 37, (45,))
     y[[0, 5, 6, 44]] = -100  # ignored rows: no loss, no gradient
     ref = grads(reference, h, w, y, 0.37)  # a scale: the backward multiplies by the incoming gradient
-    out = grads(lambda h, w, y: linear_ce_sum(h, w, y, chunk), h, w, y, 0.37)
+    out = grads(lambda h, w, y: linear_ce_sum(h, w, y, chunk, pad_vocab=pad), h, w, y, 0.37)
+    assert out[2].shape == w.shape
     for a, b, name in zip(out, ref, ("loss", "dh", "dW")):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
     assert out[1][[0, 5, 6, 44]].abs().max() == 0  # an ignored row gets no gradient
@@ -63,6 +65,8 @@ def test_a_frozen_input_gets_no_gradient_and_the_other_is_exact():
 
 
 def test_bad_shapes_are_named():
+    with pytest.raises(ValueError, match="pad_vocab must be >= 1"):
+        linear_ce_sum(torch.zeros(2, 4), torch.zeros(3, 4), torch.zeros(2, dtype=torch.long), pad_vocab=0)
     h, w = torch.randn(4, 8), torch.randn(5, 8)
     with pytest.raises(ValueError, match="h \\[N,D\\] and w \\[V,D\\]"):
         linear_ce_sum(h, torch.randn(5, 7), torch.zeros(4, dtype=torch.long))

@@ -5,6 +5,8 @@
 (tests.conftest.assert_close) sized for bf16.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -147,12 +149,23 @@ def test_compiled_regions_match_eager():
             for _ in range(2):  # the compiling call, then the compiled graphs
                 loss, grads = step(model, plan, packed_batch())
                 torch.testing.assert_close(loss, ref_loss, atol=2e-2, rtol=2e-3)
-                worse = {}
+                worse, ratios = {}, []
                 for n, g in ref_grads.items() if grads_too else ():
                     eager, compiled = rms_ratio(g, exact[n]), rms_ratio(grads[n], exact[n])
-                    if compiled > 1.25 * eager + 0.01:  # (eager bf16 itself: up to ~17% on KDA's A_log)
+                    ratios += [compiled / eager] if eager > 0 else []
+                    # One tensor's RMS error estimates its entries' error level only to ~1/sqrt(2 numel) (chi with numel
+                    # degrees of freedom), so two equally exact bf16 steps differ per tensor by up to e^(4/sqrt(numel))
+                    # (4 sigma): 2.7 for the 16 entries of a KDA layer's A_log (eager alone: 6.6% to 18% across
+                    # layers, dt_bias 9-10%, measured on CPU), 1.25 from 256 entries on. A gross-error guard per tensor ...
+                    if compiled > max(1.25, math.exp(4 / math.sqrt(g.numel()))) * eager + 0.01:
                         worse[n] = (round(eager, 4), round(compiled, 4))
                 assert not worse, f"gradients (eager, compiled) farther from fp32 than allowed: {worse}"
+                if grads_too:  # ... and the precision test: a region computing in lower precision moves every gradient
+                    # downstream of it, so the median ratio over all gradients (a spread of ~0.005 between runs) moves;
+                    # on CPU: 0.95-0.96 compiled (inductor skips eager's intermediate bf16 roundings), 1.04-1.05 with
+                    # KDA's gate computed in bf16 in the region
+                    median = sorted(ratios)[len(ratios) // 2]
+                    assert median <= 1.02, f"compiled gradients farther from fp32 than eager's: median ratio {median:.3f}"
     finally:
         set_region_compiler(previous)
 

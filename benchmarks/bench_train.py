@@ -27,7 +27,7 @@ MFU = model FLOPs per step / step time / peak (``--peak-tflops``, default 780: m
 Model FLOPs: 6 x N x tokens plus attention. N = active parameters without the input embedding, the head included,
 plus what the MTP loss multiplies per token (``count_parameters``' ``mtp_active``: the MTP layer's parameters, k of E
 routed experts, and its pass through the shared head; Megatron-LM counts MTP's head and projection the same way);
-"MFU w/o MTP" leaves that out (the trunk and head only, as this benchmark counted before 2026-12-04). Attention,
+"MFU w/o MTP" leaves that out (the trunk and head only: SPEC §1's active count). Attention,
 forward + backward = 3 x forward, per document (K3) or row (peer) of T tokens and per attention layer (the MTP
 layer's MLA included):
   causal softmax attention (K3's MLA, the peer):  3 * T^2 * H * (d_qk + d_v)     (2 FLOPs per MAC, half the pairs)

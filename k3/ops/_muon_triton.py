@@ -66,8 +66,8 @@ def _momentum_kernel(TAB, FTAB, TS, P, SCALE, T_DTYPE: tl.constexpr, S_DTYPE: tl
 
 
 @triton.jit
-def _update_kernel(TAB, FTAB, TS, P, SCALE, T_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr, BR: tl.constexpr,
-                   BC: tl.constexpr, LOG_P: tl.constexpr, ORDER: tl.constexpr, HAS_SCALE: tl.constexpr):
+def _update_kernel(TAB, FTAB, TS, P, T_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr, BR: tl.constexpr,
+                   BC: tl.constexpr, LOG_P: tl.constexpr, ORDER: tl.constexpr):
     k, row, dst_p, src_o, m = _tile(TAB, TS, P, BR, BC, LOG_P, ORDER)
     W = tl.load(row).to(tl.pointer_type(T_DTYPE))
     O = tl.load(row + 2).to(tl.pointer_type(S_DTYPE))
@@ -85,8 +85,8 @@ def _order(x: torch.Tensor) -> int:
     return 1 if R == 1 or x.stride(1) == 1 else 2
 
 
-def _launch(kernel, a: list, b: list | None, slots: list, scalars: list[tuple[float, float]],
-            scale: torch.Tensor | None = None, BR: int = 64, BC: int = 64) -> None:
+def _launch(kernel, a: list, b: list | None, slots: list, scalars: list[tuple[float, float]], BR: int = 64,
+            BC: int = 64, **extra) -> None:
     groups: dict[int, list[int]] = {}
     for i, x in enumerate(a):
         if x.numel():
@@ -107,15 +107,15 @@ def _launch(kernel, a: list, b: list | None, slots: list, scalars: list[tuple[fl
         tab, ts, ftab = table(rows, torch.int64), table(starts, torch.int64), table([scalars[i] for i in idx],
                                                                                      torch.float32)
         P = len(idx)
-        kernel[(starts[-1],)](tab, ftab, ts, P, scale if scale is not None else ftab, T_DTYPE=_TL[a[0].dtype],
-                              S_DTYPE=_TL[slots[0].dtype], BR=BR, BC=BC, LOG_P=max(1, (P - 1).bit_length()),
-                              ORDER=order, HAS_SCALE=scale is not None, num_warps=4)
+        kernel[(starts[-1],)](tab, ftab, ts, P, T_DTYPE=_TL[a[0].dtype], S_DTYPE=_TL[slots[0].dtype], BR=BR, BC=BC,
+                              LOG_P=max(1, (P - 1).bit_length()), ORDER=order, num_warps=4,
+                              **{k: (v if v is not None else ftab) for k, v in extra.items()})
 
 
 def momentum(grads: list, bufs: list, slots: list, mus: list[float], nesterovs: list[bool],
              scale: torch.Tensor | None = None) -> None:
     _launch(_momentum_kernel, grads, bufs, slots, [(float(m), float(bool(n))) for m, n in zip(mus, nesterovs)],
-            scale)
+            SCALE=scale, HAS_SCALE=scale is not None)  # (no scale: any pointer, never read)
 
 
 def update(params: list, slots: list, decays: list[float], alphas: list[float]) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from ..layers.regions import region
+from .precision import autocast_dtype
 
 __all__ = ["linear_ce_sum"]
 
@@ -69,16 +70,11 @@ def _add_gt_h(dw: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
         dw += g.t() @ h
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    dev = t.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else t.dtype
-
-
 class _LinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, y, chunk, pad):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dtype = _compute_dtype(h)  # what autocast would run the head's GEMM in
+        dtype = autocast_dtype(h)  # what autocast would run the head's GEMM in
         V = w.shape[0]
         with torch.autocast(h.device.type, enabled=False):
             hc, wc = h.to(dtype), w.to(dtype)  # the weight cast once for every chunk

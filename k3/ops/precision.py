@@ -14,7 +14,10 @@ def compute_dtype(x: torch.Tensor) -> torch.Tensor:
     does, instead of in the fp32 of the embedding table: half the bytes for each AttnRes mix and residual add, and
     no cast of the stream (nor of its gradient) before each projection. Norms, AttnRes logits and softmax still
     compute in fp32 (k3.ops.norms, k3.ops.attn_res)."""
+    return x.to(autocast_dtype(x)) if x.is_floating_point() else x
+
+
+def autocast_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype autocast runs a matmul of ``x`` in: autocast's where it is on for x's device, else x's own."""
     dev = x.device.type
-    if torch.is_autocast_enabled(dev) and x.is_floating_point():
-        return x.to(torch.get_autocast_dtype(dev))
-    return x
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype

@@ -22,9 +22,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers.regions import set_region_compiler
+from ..layers.regions import REGIONS, set_region_compiler
 
 __all__ = ["compile_model", "compiled_regions"]
+
+# the regions compiled as graphs of their own: every one but "moe_experts", which runs inside a compiled FFN
+_OWN_GRAPHS = tuple(r for r in REGIONS if r != "moe_experts")
 
 
 def compiled_regions(model: nn.Module) -> list[nn.Module]:
@@ -52,7 +55,7 @@ def compile_model(model: nn.Module, **options) -> None:
     compiled = {}
 
     def compiler(name, fn):
-        if name not in ("attn_res", "kda_activations", "mla_output", "lm_loss"):  # "moe_experts": in a compiled FFN
+        if name not in _OWN_GRAPHS:
             return fn
         if fn not in compiled:
             compiled[fn] = _unless_kernel(fn, torch.compile(fn, **options)) if name == "attn_res" else \

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -55,16 +56,36 @@ def add_arguments(p) -> None:
     s.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (no graphs, no compile)")
     s.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's results before planning the next (default on CUDA: plan while it runs)")
+    s.add_argument("--in-process", action="store_true",
+                   help="run the engine on a thread of the HTTP server's process (default: in a process of its own, "
+                        "so the server's event loop and the engine's steps never wait for each other's interpreter "
+                        "lock)")
     add_verify_argument(p)
     add_packed_argument(p)
 
 
-def _random_model(preset: str, device, dtype):
+def _random_tokenizer(preset: str):
+    """The small BPE of a --random-init server (deterministic: both of its processes build the same one)."""
     from ..data import stdlib_documents, train_tokenizer
+
+    return train_tokenizer(stdlib_documents(max_bytes=500_000), min(PRESETS[preset]().vocab_size, 4096))
+
+
+def serve_tokenizer(args):
+    """The tokenizer of the model ``build_engine(args)`` serves, without the model (for the server's process)."""
+    from ..data import load_tokenizer
+
+    if args.checkpoint:
+        p = Path(args.checkpoint)
+        return load_tokenizer(p / "checkpoint" if (p / "checkpoint").is_dir() else p)
+    return _random_tokenizer(args.preset)
+
+
+def _random_model(preset: str, device, dtype):
     from ..model.transformer import K3ForCausalLM
 
     cfg = PRESETS[preset]()
-    tok = train_tokenizer(stdlib_documents(max_bytes=500_000), min(cfg.vocab_size, 4096))
+    tok = _random_tokenizer(preset)
     torch.manual_seed(0)
     return K3ForCausalLM(cfg.replace(vocab_size=tok.get_vocab_size())).to(device, dtype).eval(), tok
 
@@ -80,11 +101,10 @@ def pool_pages(model, page_tokens: int, device, fraction: float, dtype) -> int:
     return max(2, int(free * fraction) // page)
 
 
-def run(args) -> int:
+def build_engine(args):
+    """The engine ``k3 serve`` runs for ``args`` (a picklable namespace: the engine's own process builds it too)."""
     from ..inference.engine import Engine, EngineConfig
-    from ..model.params import memory_summary
     from ..quant import pack_experts
-    from ..serve import run_server
     from ..train.loop import resolve_device
     from .generate import inference_dtype, load_for_inference
 
@@ -104,15 +124,61 @@ def run(args) -> int:
         name = args.model_name or args.preset
     pages = args.num_pages or pool_pages(model, args.page_tokens, device, args.memory_fraction, dtype)
     graphs = False if args.no_cuda_graphs else None
-    engine = Engine(model, tok, EngineConfig(
+    return Engine(model, tok, EngineConfig(
         num_pages=pages, page_tokens=args.page_tokens, hash_block=min(args.hash_block, args.page_tokens),
         checkpoint_every=args.checkpoint_every, host_pages=args.host_pages, max_batch=args.max_batch,
         step_tokens=args.step_tokens, prefill_chunk=args.prefill_chunk, long_prompt=args.long_prompt,
         cuda_graphs=graphs, compile=graphs, async_scheduling=False if args.no_async_scheduling else None),
         model_name=name)
-    print(f"k3 serve: {name} on {device} ({dtype}), {memory_summary(model)}; page pool {pages} pages x "
-          f"{engine.layout.page_bytes / 2**20:.1f} MiB, longest request {engine.max_context:,} tokens; CUDA graphs "
-          f"{'on' if engine.runner.use_graphs else 'off'}, asynchronous scheduling "
-          f"{'on' if engine.async_scheduling else 'off'}", file=sys.stderr, flush=True)
-    run_server(engine, host=args.host, port=args.port)
+
+
+def describe(engine) -> str:
+    from ..model.params import memory_summary
+
+    return (f"{engine.model_name} on {engine.device} ({next(engine.model.parameters()).dtype}), "
+            f"{memory_summary(engine.model)}; page pool {engine.pool.usable + 1} pages x "
+            f"{engine.layout.page_bytes / 2**20:.1f} MiB, longest request {engine.max_context:,} tokens; CUDA graphs "
+            f"{'on' if engine.runner.use_graphs else 'off'}, asynchronous scheduling "
+            f"{'on' if engine.async_scheduling else 'off'}")
+
+
+def build_and_describe(args):
+    """``build_engine`` in the engine's process, saying what it built (one line on stderr)."""
+    engine = build_engine(args)
+    print(f"k3 serve: {describe(engine)}", file=sys.stderr, flush=True)
+    return engine
+
+
+def bind(host: str, port: int):
+    """The listening socket, bound before the model loads: a taken port is refused at once."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); another server may hold "
+                      "the port: stop it or choose another --port") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(args) -> int:
+    from ..serve import run_server
+    from ..serve.backend import LocalBackend
+    from ..serve.core import EngineProcess
+
+    if args.preset and not args.random_init:
+        raise ValueError("--preset serves random weights only with --random-init (use --checkpoint for a trained "
+                         "model)")
+    sock = bind(args.host, args.port)
+    if args.in_process:
+        backend = LocalBackend(build_and_describe(args), warmup=True)
+    else:
+        backend = EngineProcess(functools.partial(build_and_describe, args), serve_tokenizer(args))
+    run_server(backend, host=args.host, port=args.port, sock=sock)
     return 0

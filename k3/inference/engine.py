@@ -113,6 +113,9 @@ class Engine:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stop = False
+        # called on the loop's thread after every step (and after a failure): a server hands the step's events on
+        # in one batch (k3.serve.backend)
+        self.after_step = None
 
     def _context_limit(self, mc) -> int:
         """The longest sequence this engine can hold: the model's limit, capped by what one sequence can have of
@@ -130,7 +133,9 @@ class Engine:
         return limit
 
     # ---- requests -----------------------------------------------------------------------------------------
-    def submit(self, req: GenerationRequest) -> RequestHandle:
+    def submit(self, req: GenerationRequest, events=None) -> RequestHandle:
+        """Queue ``req``; its TokenEvents and FinishEvent are ``put`` on ``events`` (default: the handle's own queue,
+        which iterating the handle reads), from the thread that runs the steps."""
         n = len(req.prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty: give at least one token")
@@ -154,7 +159,7 @@ class Engine:
             rid = req.request_id or f"req-{arrival}"
             if rid in self.seqs:
                 raise ValueError(f"request id {rid!r} is already in use")
-            handle = RequestHandle(self, rid)
+            handle = RequestHandle(self, rid, events)
             seq = Sequence(rid, req, seed, max_tokens, arrival, n >= self.cfg.long_prompt)
             self.seqs[rid] = seq
             self.output.open(seq, handle)
@@ -250,6 +255,20 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - any failure ends every open request, never a hang
                 self._fail(e)
                 return
+            finally:
+                if self.after_step is not None:
+                    self.after_step()
+
+    def warmup(self, progress=None) -> float:
+        """Compile and capture everything the steps will use (every CUDA-graph bucket and sampler variant, the
+        prefill shapes that autotune) before the first request, so no request waits for it; ``progress(text)`` hears
+        what it is doing. Returns the seconds it took. Touches only the pool's scratch page."""
+        import time
+
+        t0 = time.perf_counter()
+        with self._lock:
+            self.runner.warmup(self.cfg.prefill_chunk, self.cfg.step_tokens, progress)
+        return time.perf_counter() - t0
 
     def _fail(self, e: Exception) -> None:
         self.failed = f"{type(e).__name__}: {e}"

@@ -253,6 +253,41 @@ class ModelRunner:
         h = self.lm.model(ids[:, None], mixer=mixer)
         return self.lm.lm_head(self.lm.model.norm(h[:, 0])).float()
 
+    # ---- warm-up ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def warmup(self, prefill_chunk: int, step_tokens: int, progress=None) -> None:
+        """Run every shape the steps will need once, on the pool's scratch page only: prefill forwards (one chunk of
+        16 tokens, of ``prefill_chunk`` and a packed step of ``step_tokens``: Triton autotunes per shape), then on
+        CUDA with graphs the decode forward and the four sampler variants of every bucket (compilation and capture:
+        what a first request would otherwise wait for); eagerly, a decode step at batch 1 and at the largest batch.
+        Nothing may be running (the engine holds its lock)."""
+        say = progress or (lambda text: None)
+        L, s = self.pool.layout, self.pool.scratch
+        kda = [s] * L.kda_pages
+        warm = SamplingRow(1.0, 0, 1.0, 0, 0)
+        cuda = self.device.type == "cuda"
+        chunks = [[16]] + ([[prefill_chunk], [prefill_chunk] * max(1, step_tokens // prefill_chunk)] if cuda else [])
+        for i, lengths in enumerate(chunks):
+            say(f"prefill {sum(lengths)} tokens ({i + 1}/{len(chunks)})")
+            items = [PrefillItem(f"warmup-{j}", [0] * n, 0, [s] * max(1, L.mla_pages(n)), kda, warm)
+                     for j, n in enumerate(lengths)]
+            self.launch(SchedulerOutput(prefill=items)).wait()
+        if self.use_graphs:
+            for i, bs in enumerate(self.sizes):
+                say(f"capturing CUDA graphs: batch {bs} ({i + 1}/{len(self.sizes)})")
+                self._graph_for(bs)
+                for key in ((bs, f, t) for f in (False, True) for t in (False, True)):
+                    if key not in self._sample_graphs:
+                        self._sample_graphs[key] = self._capture(self._graph_sample, *key)
+        else:
+            for bs in sorted({1, max(self.sizes)}):
+                say(f"decode batch {bs}")
+                items = [DecodeItem(f"warmup-{j}", 0, 0, [s], kda, warm) for j in range(bs)]
+                self.launch(SchedulerOutput(decode=items)).wait()
+        self._prev_row = {}
+        if cuda:
+            torch.cuda.synchronize(self.device)
+
     # ---- sampling ---------------------------------------------------------------------------------------------
     def _sampling_tensors(self, items):
         dev = self.device

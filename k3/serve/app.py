@@ -5,38 +5,56 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 (``n`` = 1). Chat messages may hold ``image_url`` parts (``data:`` URLs) when the engine's model has a vision tower
 (k3.serve.images). Every refused request is HTTP 400 with an OpenAI error body and the server keeps serving.
 
-From the engine the app uses: ``submit(GenerationRequest) -> handle`` (iterate for TokenEvents then one
-FinishEvent; ``handle.cancel()``), ``max_context``, ``model_name`` and ``tokenizer`` (to encode prompts and to spell
-tokens in logprobs), ``stats()`` when present (reported by /health) and ``failed`` when present (the reason the
-engine died: /health then answers 503, waiting requests end with a 500 that says why, new ones get a 503).
-``create_app`` neither starts nor stops the engine; ``run_server`` does both.
+The app talks to a backend (k3.serve.backend): the engine on a thread of this process (``LocalBackend``) or in its
+own process (``k3.serve.core.EngineProcess``, what ``k3 serve`` runs). Events come to each request's stream in
+batches, one per engine step (or fewer when the client is slower), and each batch goes out as one SSE write.
+Readiness: until the backend has warmed up (CUDA graphs captured, compilation and autotuning done) ``/health``
+answers 503 with ``"ready": false`` and what it is doing, and requests get 503 with ``Retry-After``; after a failure
+of the engine, ``/health`` answers 503 with the reason, waiting requests end with a 500 that says why and new ones get
+a 503. ``create_app`` neither starts nor stops the backend; ``run_server`` does both, and on SIGINT / SIGTERM ends
+every open stream at once (an error event, then ``[DONE]``) before it exits; a second signal exits at once.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from ..inference.api import GenerationRequest, SamplingParams, TokenEvent
+from ..inference.api import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from ..inference.engine import EngineFailed
 from ..vision.preprocess import ImageError
+from .backend import LocalBackend, RequestStream
 from .chat import ChatError, chat_template_for
 from .format import DONE, ChatFormat, CompletionFormat, Formatter, sse
 from .images import NoVisionTower, chat_prompt
 from .protocol import APIError, ChatRequest, CompletionRequest, error_body, validation_message
-from .stream import EventStream, collect, events
+from .stream import EventStream, collect
 
 __all__ = ["create_app", "run_server"]
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat: until the context limit
 
 
+RETRY_AFTER = 2  # seconds, while the backend warms up
+
+
 def _check_common(engine: Any, req: CompletionRequest | ChatRequest) -> None:
+    if not engine.ready:
+        h = engine.health()
+        if h.get("failed"):
+            raise APIError(f"the engine failed and serves no more requests: {h['failed']}", None, "engine_failed",
+                           status=503, type="server_error")
+        raise APIError(f"the server is not ready yet ({h.get('phase')}); retry after {RETRY_AFTER} s or poll "
+                       "GET /health until it says ready", None, "not_ready", status=503, type="server_error",
+                       headers={"Retry-After": str(RETRY_AFTER)})
     if req.model != engine.model_name:
         raise APIError(f"the model {req.model!r} does not exist here; this server serves {engine.model_name!r} "
                        "(see GET /v1/models)", "model", "model_not_found")
@@ -81,12 +99,14 @@ def _params(req: CompletionRequest | ChatRequest, max_tokens: int | None, stop: 
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                               top_k=max(req.top_k or 0, 0), top_p=1.0 if req.top_p is None else req.top_p,
-                              seed=req.seed, stop=tuple(stop), logprobs=logprobs)
+                              seed=req.seed, stop=tuple(stop), logprobs=logprobs,
+                              ignore_eos=req.ignore_eos)
     except ValueError as e:
         raise APIError(str(e)) from None
 
 
-def _submit(engine: Any, ids: list[int], params: SamplingParams, request_id: str, images: tuple = ()) -> Any:
+def _submit(engine: Any, ids: list[int], params: SamplingParams, request_id: str, images: tuple = ()
+            ) -> RequestStream:
     try:
         return engine.submit(GenerationRequest(prompt_ids=tuple(ids), params=params, request_id=request_id,
                                                 images=images))
@@ -106,41 +126,49 @@ def _engine_error(finish) -> APIError:
                     "engine_failed", status=500, type="server_error")
 
 
-async def _sse(fmt: Formatter, handle: Any):
-    """The stream body: chunks as tokens come, the held-back tail with finish_reason, usage, [DONE]."""
+def _finish_chunks(fmt: Formatter, event: FinishEvent, streamed: str) -> list[str]:
+    if event.reason == "abort":
+        return [sse(_aborted().body())]
+    if event.reason == "error":
+        return [sse(_engine_error(event).body())]
+    # text still held back (a possible stop-string prefix, an unfinished character) is sent now
+    tail = event.text[len(streamed):] if event.text.startswith(streamed) else ""
+    out = [sse(c) for c in fmt.chunks(tail, [], event.reason)]
+    if fmt.include_usage:
+        out.append(sse(fmt.usage_chunk(event)))
+    return out
+
+
+async def _sse(fmt: Formatter, stream: RequestStream):
+    """The stream body, one write per batch of events (an engine step's tokens of this request, or all that came
+    while the client was being written to): their text as one chunk, then at the end the held-back tail with
+    finish_reason, usage and [DONE]."""
     streamed = ""
     first = fmt.first_chunk()
     if first is not None:
         yield sse(first)
     try:
-        async for event in events(handle):
-            if isinstance(event, TokenEvent):
-                if event.text or fmt.logprobs:
-                    streamed += event.text
-                    for chunk in fmt.chunks(event.text, [event]):
-                        yield sse(chunk)
-                continue
-            if event.reason == "abort":
-                yield sse(_aborted().body())
-                break
-            if event.reason == "error":
-                yield sse(_engine_error(event).body())
-                break
-            # text still held back (a possible stop-string prefix, an unfinished character) is sent now
-            tail = event.text[len(streamed):] if event.text.startswith(streamed) else ""
-            for chunk in fmt.chunks(tail, [], event.reason):
-                yield sse(chunk)
-            if fmt.include_usage:
-                yield sse(fmt.usage_chunk(event))
+        async for batch in stream.batches():
+            tokens = [e for e in batch if isinstance(e, TokenEvent)]
+            out = []
+            if tokens:
+                text = "".join(e.text for e in tokens)
+                if text or fmt.logprobs:
+                    streamed += text
+                    out = [sse(c) for c in fmt.chunks(text, tokens)]
+            if isinstance(batch[-1], FinishEvent):
+                out += _finish_chunks(fmt, batch[-1], streamed)
+            if out:
+                yield "".join(out)
     except Exception as e:  # headers are gone already: report in-band, as OpenAI does
         yield sse(error_body(f"generation failed: {e}", None, "engine_error", "server_error"))
     yield DONE
 
 
-async def _respond(fmt: Formatter, handle: Any, request: Request, stream: bool):
-    if stream:
-        return EventStream(_sse(fmt, handle), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    tokens, finish = await collect(handle, request)
+async def _respond(fmt: Formatter, stream: RequestStream, request: Request, streaming: bool):
+    if streaming:
+        return EventStream(_sse(fmt, stream), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    tokens, finish = await collect(stream, request)
     if finish.reason == "abort":
         raise _aborted()
     if finish.reason == "error":
@@ -149,19 +177,22 @@ async def _respond(fmt: Formatter, handle: Any, request: Request, stream: bool):
 
 
 def create_app(engine: Any, chat_template: Any = None) -> FastAPI:
-    """The FastAPI app serving ``engine``; ``chat_template`` renders chat messages and parses replies (default:
-    the tokenizer's own format, ``k3.serve.chat.chat_template_for``)."""
+    """The FastAPI app serving ``engine``: a backend (``k3.serve.backend``), or an engine, which is then served from
+    a thread of this process (``LocalBackend``, ready at once); ``chat_template`` renders chat messages and parses
+    replies (default: the tokenizer's own format, ``k3.serve.chat.chat_template_for``)."""
+    if not hasattr(engine, "health"):
+        engine = LocalBackend(engine)
     tokenizer = engine.tokenizer
     template = chat_template or chat_template_for(tokenizer)
     if tokenizer is None:
         raise TypeError("create_app needs the engine's tokenizer as engine.tokenizer (the tokenizers.Tokenizer it "
                         "decodes with), to encode prompts and spell tokens in logprobs")
-    app = FastAPI(title="k3", summary=f"OpenAI-compatible API for {engine.model_name}")
+    app = FastAPI(title="k3", summary="OpenAI-compatible API")
     app.state.engine = engine
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
@@ -179,11 +210,14 @@ def create_app(engine: Any, chat_template: Any = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        failed = getattr(engine, "failed", None)
-        if failed:
-            return JSONResponse({"status": "failed", "model": engine.model_name, "error": failed}, status_code=503)
-        stats = engine.stats() if hasattr(engine, "stats") else {}
-        return {"status": "ok", "model": engine.model_name, **stats}
+        h = engine.health()
+        if h.get("failed"):
+            return JSONResponse({"status": "failed", "ready": False, "model": engine.model_name, "error": h["failed"]},
+                                status_code=503)
+        if not h["ready"]:
+            return JSONResponse({"status": "starting", "model": engine.model_name, **h}, status_code=503,
+                                headers={"Retry-After": str(RETRY_AFTER)})
+        return {"status": "ok", "model": engine.model_name, **h}
 
     def model_card() -> dict:
         return {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "k3",
@@ -243,14 +277,52 @@ def create_app(engine: Any, chat_template: Any = None) -> FastAPI:
 
 
 def run_server(engine: Any, host: str = "127.0.0.1", port: int = 8000, chat_template: Any = None,
-               log_level: str = "info") -> None:
-    """Start ``engine``, serve it over HTTP until interrupted (Ctrl-C), then stop it. Binds to localhost by
-    default: pass ``host="0.0.0.0"`` deliberately to expose an unauthenticated server to the network."""
-    import uvicorn
+               log_level: str = "info", sock=None) -> None:
+    """Start ``engine`` (a backend, or an engine: then warmed up on a thread of this process), serve it over HTTP
+    until SIGINT / SIGTERM, then stop it. ``sock``: an already bound listening socket (``k3 serve`` binds before it
+    loads the model, so a taken port fails at once). Binds to localhost by default: pass ``host="0.0.0.0"``
+    deliberately to expose an unauthenticated server to the network. Raises RuntimeError when the engine could
+    not be built or warmed up (its message says why)."""
+    backend = engine if hasattr(engine, "health") else LocalBackend(engine, warmup=True)
+    app = create_app(backend, chat_template)
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5),
+                     backend)
 
-    app = create_app(engine, chat_template)
-    engine.start()
+    def announce() -> None:  # the warm-up's outcome, once: ready, or fatal (then the server stops)
+        while not server.should_exit:
+            h = backend.health()
+            if h["ready"]:
+                print(f"k3 serve: ready (warm-up {h.get('warmup_s') or 0:.1f} s) on http://{host}:{port}/v1",
+                      file=sys.stderr, flush=True)
+                return
+            if getattr(backend, "fatal", None):
+                server.should_exit = True
+                return
+            server_stopped.wait(0.05)
+
+    server_stopped = threading.Event()
+    backend.start()
+    threading.Thread(target=announce, name="k3-announce", daemon=True).start()
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        server.run(sockets=[sock] if sock is not None else None)
     finally:
-        engine.stop()
+        server_stopped.set()
+        backend.stop()
+    if getattr(backend, "fatal", None):
+        raise RuntimeError(backend.fatal)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, whose first SIGINT / SIGTERM also ends every open stream at once (each gets an error event
+    and [DONE], so the graceful shutdown has nothing left to wait for) and whose second one exits at once."""
+
+    def __init__(self, config, backend):
+        super().__init__(config)
+        self.backend = backend
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.should_exit:  # a second signal, whichever: leave now
+            self.force_exit = True
+        else:  # off the signal's frame: it may have interrupted a holder of the engine's lock
+            threading.Thread(target=self.backend.abort_all, args=("shutdown",), daemon=True).start()
+        super().handle_exit(sig, frame)

@@ -11,27 +11,37 @@ from typing import Any
 from ..inference.api import PromptImage
 from ..vision.chat import encode_chat, has_images
 
-__all__ = ["chat_prompt", "NoVisionTower"]
+__all__ = ["chat_prompt", "vision_of", "NoVisionTower"]
 
 
 class NoVisionTower(ValueError):
     """Images sent to a model without a vision tower."""
 
 
+def vision_of(engine: Any) -> tuple | None:
+    """(vision_config, media placeholder token id) of the engine's model, or None without a vision tower: a serving
+    backend says it as ``vision``, an engine through its ``model``."""
+    if hasattr(engine, "vision"):
+        return engine.vision
+    model = getattr(engine, "model", None)
+    vc = getattr(model, "vision_config", None)
+    return None if vc is None else (vc, model.media_placeholder_token_id)
+
+
 def chat_prompt(engine: Any, template: Any, messages: list[dict], tools=None, tool_choice=None,
                 reasoning_effort=None, base_dir: str | Path | None = None) -> tuple[list[int], Any, tuple]:
-    """(prompt ids, the reply parser, PromptImages) for ``messages``. Raises ``NoVisionTower`` when they hold images
-    and the engine's model has none, ``k3.vision.ImageError`` for a bad image (``param`` names the part), and the
-    format's ``ChatError``."""
+    """(prompt ids, the reply parser, PromptImages) for ``messages``; ``engine`` gives the tokenizer and
+    ``vision_of(engine)``. Raises ``NoVisionTower`` when they hold images and the engine's model has none,
+    ``k3.vision.ImageError`` for a bad image (``param`` names the part), and the format's ``ChatError``."""
     if not has_images(messages):
         prompt = template.prompt(engine.tokenizer, messages, tools, tool_choice, reasoning_effort)
         return prompt.ids, prompt.parser, ()
-    model = getattr(engine, "model", None)
-    vision = getattr(model, "vision_config", None)
-    if vision is None:
+    info = vision_of(engine)
+    if info is None:
         raise NoVisionTower("this model has no vision tower, so it cannot read images; send text only, or serve a "
                             "multimodal checkpoint (one whose config.json has a vision_config)")
-    out = encode_chat(template, engine.tokenizer, messages, vision, model.media_placeholder_token_id, tools=tools,
+    vision, placeholder = info
+    out = encode_chat(template, engine.tokenizer, messages, vision, placeholder, tools=tools,
                       tool_choice=tool_choice, reasoning_effort=reasoning_effort, base_dir=base_dir)
     images = tuple(PromptImage(s, im.tokens(vision), im.pixels, im.grid, im.digest)
                    for s, im in zip(out.starts, out.images))

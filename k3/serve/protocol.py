@@ -4,10 +4,10 @@ Types are strict (``"max_tokens": "5"`` is an error, not 5); unknown fields are 
 does with fields it does not know; fields whose non-default values this server cannot honour (``n`` > 1,
 ``echo``, ``best_of``, penalties, ``response_format``...) are rejected with a message naming them. Chat takes
 OpenAI's ``tools`` / ``tool_choice``, assistant ``tool_calls`` and ``role: "tool"`` messages, and ``image_url`` content
-parts (the image as a ``data:`` URL; k3.vision.encode_chat decodes and checks it). ``top_k`` is an
-extension (0 or -1 = off). Text must be valid Unicode: a lone UTF-16 surrogate (``"\ud800"``, which JSON can
-spell but no encoding can carry) is refused with the field named; ``seed`` must fit the sampler's 64-bit
-generator. Every error is HTTP 400 with the body
+parts (the image as a ``data:`` URL; k3.vision.encode_chat decodes and checks it). ``top_k`` (0 or -1 = off) and
+``ignore_eos`` (keep writing past the end-of-sequence token, for benchmarks) are extensions. Text must be valid
+Unicode: a lone UTF-16 surrogate (``"\ud800"``, which JSON can spell but no encoding can carry) is refused with the
+field named; ``seed`` must fit the sampler's 64-bit generator. Every error is HTTP 400 with the body
 ``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``.
 """
 
@@ -27,9 +27,10 @@ class APIError(Exception):
     """A request the server refuses; becomes an OpenAI-style error body."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = "invalid_value",
-                 status: int = 400, type: str = "invalid_request_error"):
+                 status: int = 400, type: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.message, self.param, self.code, self.type)
@@ -106,6 +107,7 @@ class _Sampling(_Body):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
+    ignore_eos: bool = False  # a k3 (and vLLM) extension: write max_tokens tokens whatever the model says (benchmarks)
     seed: int | None = Field(None, ge=-2**63, le=2**64 - 1)  # what torch.Generator.manual_seed takes
     stop: Text | list[Text] | None = None
     n: int | None = Field(None, ge=1)

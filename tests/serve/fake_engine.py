@@ -40,8 +40,8 @@ def tiny_tokenizer():
 class FakeHandle(RequestHandle):
     """The real handle's event queue and iteration; cancel() only flags the request for the fake engine."""
 
-    def __init__(self, engine: FakeEngine, request: GenerationRequest):
-        super().__init__(engine, request.request_id)
+    def __init__(self, engine: FakeEngine, request: GenerationRequest, events=None):
+        super().__init__(engine, request.request_id, events)
         self.request = request
         self.cancelled = threading.Event()
 
@@ -75,6 +75,7 @@ class FakeEngine:
         self._wake = threading.Condition()
         self._running = False
         self._thread: threading.Thread | None = None
+        self.after_step = None  # as Engine's: called after every step (a server's backend sets it)
 
     def start(self) -> None:
         self._running = True
@@ -88,6 +89,8 @@ class FakeEngine:
         self._thread.join()
         for s in self._active:
             self._finish(s, "abort")
+        if self.after_step is not None:
+            self.after_step()
 
     def expected_text(self, max_tokens: int | None = None, stop: tuple[str, ...] = ()) -> str:
         """The completion this engine writes for these settings, computed without the engine."""
@@ -96,11 +99,16 @@ class FakeEngine:
         cuts = [text.find(s) for s in stop if s in text]
         return text[:min(cuts)] if cuts else text
 
-    def submit(self, request: GenerationRequest) -> FakeHandle:
+    def abort(self, rid: str) -> None:
+        for s in list(self._active):
+            if s.handle.id == rid:
+                s.handle.cancel()
+
+    def submit(self, request: GenerationRequest, events=None) -> FakeHandle:
         n = len(request.prompt_ids)
         if n + (request.params.max_tokens or 1) > self.max_context:
             raise ValueError(f"prompt ({n}) + max_tokens ({request.params.max_tokens}) > {self.max_context}")
-        handle = FakeHandle(self, request)
+        handle = FakeHandle(self, request, events)
         prompt = tuple(request.prompt_ids)
         shared = max((_common(prompt, p) for p in self._prompts), default=0)
         cached = min(shared, n - 1) // BLOCK * BLOCK
@@ -124,6 +132,8 @@ class FakeEngine:
                 if self._step(state):
                     with self._wake:
                         self._active.remove(state)
+            if self.after_step is not None:
+                self.after_step()
             if self.step_delay:
                 time.sleep(self.step_delay)
 

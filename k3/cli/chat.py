@@ -1,4 +1,4 @@
-"""k3 chat: an interactive multi-turn chat in the terminal, in the tokenizer's chat format (k3.serve.chat).
+"""k3 chat: an interactive multi-turn chat in the terminal, in the tokenizer's chat format (k3.chat).
 
 Ctrl-C while a reply streams stops that reply (the request is cancelled in the engine) and keeps what was
 printed of it in the conversation; Ctrl-C or Ctrl-D (or an empty line) at the prompt ends the chat.
@@ -88,7 +88,7 @@ def _image_parts(model, paths: list[str]) -> list[dict]:
 
 
 def run(args, stdin=sys.stdin, stdout=sys.stdout) -> int:
-    from ..serve.chat import chat_template_for
+    from ..chat import chat_template_for
     from ..train.loop import resolve_device
 
     model, tok = load_for_inference(args.checkpoint, resolve_device(args.device), verify=args.verify)

@@ -68,7 +68,7 @@ class SceneTask:
 
     def __init__(self, vision):
         from ..data.tokenizer import EOS, train_tokenizer
-        from ..serve.chat import ChatTemplate
+        from ..chat import ChatTemplate
         from ..vision.chat import data_url, encode_chat
         from ..vision.prompt import MEDIA_PAD
         from ..vision.shapes import COLOURS, QUESTIONS, SHAPES, random_scene, render

@@ -1,6 +1,6 @@
 """Problems, reasoning efforts and replies in a checkpoint's chat format (SPEC §9).
 
-``ChatFormat(tokenizer)`` wraps ``k3.serve.chat.chat_template_for(tokenizer)``, the format the model is served in,
+``ChatFormat(tokenizer)`` wraps ``k3.chat.chat_template_for(tokenizer)``, the format the model is served in,
 so what post-training teaches is what ``k3 chat`` and ``k3 serve`` send:
 - the effort is part of the prompt: K3's format renders it as its ``thinking-effort`` system block
   (``reasoning_effort``); a format without one (ChatML, k3's own tokenizer) gets the system message
@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..serve.chat import chat_template_for
+from ..chat import chat_template_for
+from ..chat.xtml_reply import K3Output
 
 __all__ = ["ChatFormat", "EFFORT_SYSTEM", "THINK_OPEN", "THINK_CLOSE"]
 
@@ -60,8 +61,6 @@ class ChatFormat:
     def parse(self, text: str, effort: str | None = None) -> tuple[str, str]:
         """A generated reply (the engine's text, stop string excluded) -> (reasoning, answer)."""
         if self.thinking_channel:
-            from ..serve.xtml_reply import K3Output
-
             parser = K3Output({}, thinking=effort is not None)
             events = parser.feed(text) + parser.finish()
             return ("".join(e.text for e in events if e.kind == "reasoning"),

@@ -30,6 +30,7 @@ import json
 from pathlib import Path
 from typing import NamedTuple
 
+from ..chat import ChatTemplate
 from ..data import Document, PackedDataset, eos_id, load_tokenizer, save_tokenizer, split_documents, train_tokenizer
 from ..data.corpus import jsonl_objects
 from ..data.tokenizer import EOS, unigram_entropy
@@ -181,8 +182,7 @@ def _tokenizer(cfg, train_convs, run: Path, resume_from: Path | None, multimodal
         if not (run / "tokenizer.json").exists():
             save_tokenizer(tok, run / "tokenizer.json")
         return tok
-    from ..serve.chat import ChatTemplate  # a new tokenizer has no special tokens: its format is ChatML
-
+    # a new tokenizer has no special tokens: its format is ChatML
     texts = [ChatTemplate().render([{"role": m["role"], "content": (m.get("reasoning_content") or "") +
                                      _text(m.get("content"))} for m in c.messages]) for c in train_convs]
     tok = train_tokenizer(texts, cfg.vocab_size, special_tokens=(EOS, MEDIA_PAD) if multimodal else (EOS,))

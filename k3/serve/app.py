@@ -28,11 +28,11 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from ..chat import ChatError, chat_template_for
 from ..inference.api import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from ..inference.engine import EngineFailed
 from ..vision.preprocess import ImageError
 from .backend import LocalBackend, RequestStream
-from .chat import ChatError, chat_template_for
 from .format import DONE, ChatFormat, CompletionFormat, Formatter, sse
 from .images import NoVisionTower, chat_prompt
 from .protocol import APIError, ChatRequest, CompletionRequest, error_body, validation_message
@@ -179,7 +179,7 @@ async def _respond(fmt: Formatter, stream: RequestStream, request: Request, stre
 def create_app(engine: Any, chat_template: Any = None) -> FastAPI:
     """The FastAPI app serving ``engine``: a backend (``k3.serve.backend``), or an engine, which is then served from
     a thread of this process (``LocalBackend``, ready at once); ``chat_template`` renders chat messages and parses
-    replies (default: the tokenizer's own format, ``k3.serve.chat.chat_template_for``)."""
+    replies (default: the tokenizer's own format, ``k3.chat.chat_template_for``)."""
     if not hasattr(engine, "health"):
         engine = LocalBackend(engine)
     tokenizer = engine.tokenizer

@@ -21,9 +21,9 @@ from typing import Any, ClassVar
 
 from tokenizers import Tokenizer
 
+from ..chat import OutputEvent, PlainOutput
 from ..inference.api import FinishEvent, TokenEvent
 from ..inference.detok import token_bytes
-from .chat import OutputEvent, PlainOutput
 
 __all__ = ["Formatter", "CompletionFormat", "ChatFormat", "usage", "sse", "DONE"]
 

@@ -10,7 +10,7 @@ A message's ``content`` is a string or a list of parts, OpenAI's and one of k3's
 
 k3 runs offline: an ``http(s)://`` URL is refused with an error saying to send the bytes as a ``data:`` URL.
 
-How: each image part becomes a sentinel string in the message's text; the chat format (any of k3.serve.chat's,
+How: each image part becomes a sentinel string in the message's text; the chat format (any of k3.chat's,
 passed in as ``template``) renders the messages as it renders text, through a tokenizer that encodes the sentinel
 as one ``IMAGE_SLOT``; ``expand_image_slots`` then puts each image's block (its h*w/4 placeholders, in the Kimi
 tokenizers' media markers) in place of its slot. So an image sits exactly where its part was, in every format, and
@@ -136,7 +136,7 @@ def encode_chat(template, tokenizer, messages: Sequence[Mapping], vision: Vision
                 max_pixels: int = MAX_PIXELS, max_patches: int = MAX_PATCHES,
                 loaded: Mapping[int, ImageInput] | None = None) -> ChatImages:
     """``messages`` (content as a string or parts, above) -> ChatImages, rendered by ``template`` (a chat format of
-    k3.serve.chat: ``template.prompt(tokenizer, messages, tools, tool_choice, reasoning_effort)``). Image errors are
+    k3.chat: ``template.prompt(tokenizer, messages, tools, tool_choice, reasoning_effort)``). Image errors are
     ``ImageError``s naming the part (``param``); ``max_pixels`` / ``max_patches`` as ``k3.vision.load_image``.
     ``loaded``: images already read, by ``id()`` of their part (the caller keeps the parts alive), used instead of
     reading them again."""

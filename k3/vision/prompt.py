@@ -1,7 +1,7 @@
 """Images in token streams: the slot a chat format leaves for each image -> the image's tokens (SPEC §10: image
 tokens replace a media placeholder token in the text stream).
 
-A chat format renders each image as one ``IMAGE_SLOT`` id (k3.serve.chat); ``expand_image_slots`` replaces the i-th
+A chat format renders each image as one ``IMAGE_SLOT`` id (k3.chat); ``expand_image_slots`` replaces the i-th
 slot by image i's block: its h*w/4 placeholder tokens (``media_placeholder_token_id``), wrapped, when the tokenizer
 has Kimi's media tokens (the K2.5 and K3 tokenizers), as transformers' ``Kimi_K25Processor`` writes an image:
 ``<|media_begin|>image<|media_content|>`` + placeholders + ``<|media_end|>``. k3's own BPE has no media tokens:

@@ -10,7 +10,7 @@ from k3 import K3Config, K3ForCausalLM
 from k3.data import train_tokenizer
 from k3.post.format import ChatFormat
 from k3.post.rollout import Rollout, Trajectory
-from k3.serve.chat import ChatTemplate
+from k3.chat import ChatTemplate
 
 pytestmark = pytest.mark.gpu
 

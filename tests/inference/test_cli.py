@@ -195,7 +195,7 @@ def test_chat_and_serve_use_the_checkpoints_chat_format(tmp_path):
     from k3.cli.generate import load_for_inference, make_engine
     from k3.inference.api import SamplingParams
     from k3.serve import create_app
-    from k3.serve.xtml import KimiK3Chat
+    from k3.chat.xtml import KimiK3Chat
 
     ck, _ = make_kimi_checkpoint(tmp_path)
     model, tok = load_for_inference(ck, "cpu")

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from k3.data import train_tokenizer
-from k3.serve.chat import ChatTemplate
+from k3.chat import ChatTemplate
 
 
 def sum_records(n: int, seed: int = 0) -> list[dict]:

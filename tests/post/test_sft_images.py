@@ -18,7 +18,7 @@ from k3.distributed.plan import ParallelDims, ParallelPlan
 from k3.post.format import ChatFormat
 from k3.post.sft_data import encode_conversation, load_conversations, prepare
 from k3.post.sft_images import ImagePackedDataset, ImagePrompt
-from k3.serve.chat import ChatTemplate
+from k3.chat import ChatTemplate
 from k3.serve.images import chat_prompt
 from k3.train.loop import TrainConfig, train
 from k3.train.metrics import read_metrics

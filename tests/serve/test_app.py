@@ -5,7 +5,8 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from k3.serve import ChatTemplate, create_app
+from k3.chat import ChatTemplate
+from k3.serve import create_app
 
 from .fake_engine import FakeEngine
 

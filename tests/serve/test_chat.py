@@ -2,7 +2,7 @@
 
 import pytest
 
-from k3.serve import ChatTemplate
+from k3.chat import ChatTemplate
 
 
 def test_default_is_chatml():

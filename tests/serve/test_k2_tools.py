@@ -6,8 +6,8 @@ import json
 import pytest
 
 from k3.data.kimi_tokenizer import KimiTokenizer
-from k3.serve.chat import ChatError, JinjaChatTemplate, PlainOutput, chat_template_for
-from k3.serve.k2_tools import K2Output, parse_k2_section
+from k3.chat import ChatError, JinjaChatTemplate, PlainOutput, chat_template_for
+from k3.chat.k2_tools import K2Output, parse_k2_section
 from tests.data.kimi_files import write_kimi_tokenizer
 
 # the shape of Kimi K2's template: tools declared in a tool_declare system turn, an assistant turn's calls in the

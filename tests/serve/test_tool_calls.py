@@ -1,5 +1,5 @@
 """OpenAI tools / tool_choice / tool_calls / role "tool" through the official openai client, against a fake engine
-scripted to answer in K3's chat format (k3.serve.xtml)."""
+scripted to answer in K3's chat format (k3.chat.xtml)."""
 
 import json
 from contextlib import ExitStack
@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from k3.serve import create_app
-from k3.serve.xtml import KimiK3Chat
+from k3.chat.xtml import KimiK3Chat
 
 from .fake_engine import FakeEngine, live_server
 

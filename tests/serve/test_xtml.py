@@ -5,9 +5,9 @@ import json
 import pytest
 
 from k3.data.kimi_tokenizer import KimiTokenizer
-from k3.serve.chat import ChatError, ChatTemplate, JinjaChatTemplate, chat_template_for
-from k3.serve.xtml import KimiK3Chat, render_tool_calls
-from k3.serve.xtml_reply import K3Output, parse_tools_section
+from k3.chat import ChatError, ChatTemplate, JinjaChatTemplate, chat_template_for
+from k3.chat.xtml import KimiK3Chat, render_tool_calls
+from k3.chat.xtml_reply import K3Output, parse_tools_section
 from tests.data.kimi_files import K2_TEMPLATE, write_kimi_tokenizer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",

@@ -29,7 +29,7 @@ def greedy_reply(model, tok, messages, n: int = 4) -> tuple[str, int]:
     forwards of K3ForConditionalGeneration (no engine, no cache)."""
     import torch
 
-    from k3.serve.chat import ChatTemplate
+    from k3.chat import ChatTemplate
     from k3.vision.chat import encode_chat
 
     out = encode_chat(ChatTemplate(), tok, messages, model.vision_config, model.media_placeholder_token_id)

@@ -9,7 +9,7 @@ import torch
 from k3 import K3Config
 from k3.data.kimi_tokenizer import KimiTokenizer
 from k3.data.tokenizer import train_tokenizer
-from k3.serve.chat import ChatTemplate, chat_template_for
+from k3.chat import ChatTemplate, chat_template_for
 from k3.vision import K3ForConditionalGeneration, VisionConfig
 from k3.vision.chat import data_url, encode_chat, has_images
 from k3.vision.preprocess import ImageError, load_image

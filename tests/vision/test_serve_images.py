@@ -13,7 +13,7 @@ from k3 import K3Config
 from k3.data.tokenizer import train_tokenizer
 from k3.inference.engine import Engine, EngineConfig
 from k3.serve import create_app
-from k3.serve.chat import ChatTemplate
+from k3.chat import ChatTemplate
 from k3.vision import K3ForConditionalGeneration, VisionConfig
 from k3.vision.chat import data_url, encode_chat
 from tests.serve.fake_engine import live_server

@@ -1,5 +1,5 @@
 """The assistant's reply in K3's chat format, streamed apart into content, reasoning and tool calls (the format
-is described in k3/serve/xtml.py; the tools section is read as mlx-lm's ``tool_parsers/kimi_k3.py`` reads it).
+is described in k3/chat/xtml.py; the tools section is read as mlx-lm's ``tool_parsers/kimi_k3.py`` reads it).
 
 A tools section that cannot be read (not closed, a call without a tool, an argument that is not the JSON its type
 says, a tool that was not declared) becomes an "error" event carrying the raw text and what was wrong: the server
@@ -14,10 +14,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .chat import OutputEvent
-from .xtml import _close, _open
+from .base import OutputEvent, next_marker
+from .xtml_tags import close_tag, open_tag
 
-__all__ = ["K3Output", "parse_tools_section", "next_marker"]
+__all__ = ["K3Output", "parse_tools_section"]
 
 
 def _unescape_attr(value: str) -> str:
@@ -30,8 +30,8 @@ _ARG = re.compile(r"<\|open\|>argument(?P<attrs>(?:(?!<\|sep\|>).)*)<\|sep\|>(?P
                   re.DOTALL)
 _JSON = re.compile(r"<\|open\|>json(?:(?!<\|sep\|>).)*<\|sep\|>(?P<value>.*?)<\|close\|>json<\|sep\|>", re.DOTALL)
 _ATTR = re.compile(r'(\w+)="([^"]*)"')
-_THINK_CLOSE, _RESPONSE_OPEN, _RESPONSE_CLOSE = _close("think"), _open("response"), _close("response")
-_TOOLS_OPEN, _TOOLS_CLOSE, _MESSAGE_CLOSE = _open("tools"), _close("tools"), _close("message")
+_THINK_CLOSE, _RESPONSE_OPEN, _RESPONSE_CLOSE = close_tag("think"), open_tag("response"), close_tag("response")
+_TOOLS_OPEN, _TOOLS_CLOSE, _MESSAGE_CLOSE = open_tag("tools"), close_tag("tools"), close_tag("message")
 
 
 def _value(raw: str, kind: str) -> Any:
@@ -154,22 +154,3 @@ class K3Output:
         out = self._emit(rest)
         self.state = "done"
         return out
-
-
-def next_marker(buf: str, markers: tuple[str, ...]) -> tuple[str, str | None, str]:
-    """(the text before the first of ``markers`` in ``buf``, that marker, the text after it); with none there,
-    (the text that can no longer become part of a marker, None, the suffix held back because it still could)."""
-    hits = [(buf.find(m), m) for m in markers if m in buf]
-    if not hits:
-        keep = _partial_suffix(buf, markers)
-        return buf[:len(buf) - keep], None, buf[len(buf) - keep:]
-    at, marker = min(hits)
-    return buf[:at], marker, buf[at + len(marker):]
-
-
-def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest suffix of ``text`` that could still grow into one of ``markers``."""
-    for n in range(min(len(text), max((len(m) for m in markers), default=1) - 1), 0, -1):
-        if any(m.startswith(text[-n:]) for m in markers):
-            return n
-    return 0

@@ -9,7 +9,7 @@ A call's id is ``functions.NAME:INDEX`` (the template writes it back beside the 
 OpenAI ``tool_call_id`` too); its arguments are one JSON object. The section markers also come in the singular
 (``<|tool_call_section_begin|>``), as the model sometimes writes them. A section that cannot be read (not closed,
 a call without arguments, arguments that are not a JSON object, an undeclared tool) becomes an "error" event with
-the raw text and what was wrong, as K3's format does (k3/serve/xtml_reply.py).
+the raw text and what was wrong, as K3's format does (k3/chat/xtml_reply.py).
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from .chat import OutputEvent
-from .xtml_reply import next_marker
+from .base import OutputEvent, next_marker
 
 __all__ = ["K2_TOOL_TOKENS", "K2Output", "parse_k2_section"]
 

@@ -29,29 +29,17 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from .chat import ChatError, ChatPrompt, check_tool_choice, tool_name_of_call, tools_by_name
+from .base import ChatError, ChatPrompt, check_tool_choice, tool_name_of_call, tools_by_name
+from .xtml_reply import K3Output
+from .xtml_tags import END_OF_MSG, OPEN, close_tag, open_tag
 
-__all__ = ["KimiK3Chat", "SPECIAL_TOKENS", "escape_attr", "render_tool_calls"]
+__all__ = ["KimiK3Chat", "render_tool_calls"]
 
-OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
-SPECIAL_TOKENS = (OPEN, CLOSE, SEP, END_OF_MSG)
 EFFORTS = ("low", "high", "max")
 _TOOL_DECLARE = "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n{tools}\n```"
 _EFFORT = ("`thinking_effort` guides on how much to think in your thinking channel (not including the response "
            "channel), supported values include `low`, `medium`, `high`, and `max`.\n"
            "Now the system is invoked with `thinking_effort={effort}`.")
-
-
-def escape_attr(value: Any) -> str:
-    return str(value).replace("&", "&amp;").replace('"', "&quot;")
-
-
-def _open(tag: str, **attrs) -> str:
-    return OPEN + tag + "".join(f' {k}="{escape_attr(v)}"' for k, v in attrs.items()) + SEP
-
-
-def _close(tag: str) -> str:
-    return CLOSE + tag + SEP
 
 
 def _xtml_type(v: Any) -> str:
@@ -66,10 +54,10 @@ def _xtml_type(v: Any) -> str:
 
 def render_tool_calls(calls: list[dict]) -> list[tuple[str, bool]]:
     """An assistant's OpenAI ``tool_calls`` as the tools section: [(text, is_markup)]."""
-    out = [(_open("tools"), True)]
+    out = [(open_tag("tools"), True)]
     for i, call in enumerate(calls, 1):
         fn = call.get("function", call)
-        out.append((_open("call", tool=fn.get("name", ""), index=i), True))
+        out.append((open_tag("call", tool=fn.get("name", ""), index=i), True))
         args = fn.get("arguments")
         if isinstance(args, str):
             try:
@@ -78,14 +66,14 @@ def render_tool_calls(calls: list[dict]) -> list[tuple[str, bool]]:
                 pass  # not JSON: carried verbatim in a json block
         if isinstance(args, dict):
             for key, v in args.items():
-                out += [(_open("argument", key=key, type=_xtml_type(v)), True),
+                out += [(open_tag("argument", key=key, type=_xtml_type(v)), True),
                         (v if isinstance(v, str) else json.dumps(v, ensure_ascii=False), False),
-                        (_close("argument"), True)]
+                        (close_tag("argument"), True)]
         elif args is not None:
             raw = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-            out += [(_open("json", type="object"), True), (raw, False), (_close("json"), True)]
-        out.append((_close("call"), True))
-    return out + [(_close("tools"), True)]
+            out += [(open_tag("json", type="object"), True), (raw, False), (close_tag("json"), True)]
+        out.append((close_tag("call"), True))
+    return out + [(close_tag("tools"), True)]
 
 
 def _deep_sort(obj):
@@ -116,8 +104,8 @@ class KimiK3Chat:
         seg: list[tuple[str, bool]] = []
 
         def system(kind: str, body: str):
-            seg.extend([(_open("message", role="system", type=kind), True), (body.strip(), False),
-                        (_close("message") + END_OF_MSG, True)])
+            seg.extend([(open_tag("message", role="system", type=kind), True), (body.strip(), False),
+                        (close_tag("message") + END_OF_MSG, True)])
 
         if declared:
             compact = json.dumps(_deep_sort(declared), separators=(",", ":"), ensure_ascii=False)
@@ -132,22 +120,22 @@ class KimiK3Chat:
                 if not name:
                     raise ChatError(f"a tool message's tool_call_id {m.get('tool_call_id')!r} matches no tool_calls id "
                                      "of an earlier assistant message; send the assistant message with its tool_calls")
-                seg.append((_open("message", role="tool", name=name), True))
+                seg.append((open_tag("message", role="tool", name=name), True))
             else:
-                seg.append((_open("message", role=role), True))
+                seg.append((open_tag("message", role=role), True))
             if role == "assistant":
                 if m.get("reasoning_content"):
-                    seg += [(_open("think"), True), (m["reasoning_content"], False), (_close("think"), True)]
-                seg += [(_open("response"), True), (m.get("content") or "", False), (_close("response"), True)]
+                    seg += [(open_tag("think"), True), (m["reasoning_content"], False), (close_tag("think"), True)]
+                seg += [(open_tag("response"), True), (m.get("content") or "", False), (close_tag("response"), True)]
                 if m.get("tool_calls"):
                     for c in m["tool_calls"]:
                         names[c.get("id")] = tool_name_of_call(c)
                     seg += render_tool_calls(m["tool_calls"])
             else:
                 seg.append((m.get("content") or "", False))
-            seg.append((_close("message") + END_OF_MSG, True))
+            seg.append((close_tag("message") + END_OF_MSG, True))
         channel = "think" if reasoning_effort is not None else "response"
-        seg.append((_open("message", role="assistant") + _open(channel), True))
+        seg.append((open_tag("message", role="assistant") + open_tag(channel), True))
         prefix = self._forced_prefix(declared, tool_choice, reasoning_effort)
         if prefix:
             seg.append((prefix, True))
@@ -159,11 +147,11 @@ class KimiK3Chat:
         only writes the name and arguments), which forces the call without constrained decoding."""
         if not tools or tool_choice in (None, "auto", "none"):
             return ""
-        head = (_close("think") + _open("response") if reasoning_effort is not None else "") + \
-            _close("response") + _open("tools")
+        head = (close_tag("think") + open_tag("response") if reasoning_effort is not None else "") + \
+            close_tag("response") + open_tag("tools")
         if tool_choice == "required":
             return head + OPEN + 'call tool="'
-        return head + _open("call", tool=tool_choice["function"]["name"], index=1)
+        return head + open_tag("call", tool=tool_choice["function"]["name"], index=1)
 
     def render(self, messages: list[dict], tools: list[dict] | None = None, tool_choice: Any = None,
                reasoning_effort: str | None = None) -> str:
@@ -174,8 +162,6 @@ class KimiK3Chat:
         check_tool_choice(tools, tool_choice)
         seg, prefix = self.segments(messages, tools, tool_choice, reasoning_effort)
         ids = _encode_segments(tokenizer, seg)
-        from .xtml_reply import K3Output
-
         parser = K3Output(tools_by_name(tools) if tools and tool_choice != "none" else {},
                           thinking=reasoning_effort is not None)
         parser.feed(prefix)  # the forced prefix is part of the assistant's message: nothing to emit yet
@@ -187,11 +173,11 @@ class KimiK3Chat:
         the open think channel first, then the response and its tool calls."""
         seg: list[tuple[str, bool]] = []
         if thinking:
-            seg += [(message.get("reasoning_content") or "", False), (_close("think") + _open("response"), True)]
-        seg += [(message.get("content") or "", False), (_close("response"), True)]
+            seg += [(message.get("reasoning_content") or "", False), (close_tag("think") + open_tag("response"), True)]
+        seg += [(message.get("content") or "", False), (close_tag("response"), True)]
         if message.get("tool_calls"):
             seg += render_tool_calls(message["tool_calls"])
-        seg.append((_close("message") + END_OF_MSG, True))
+        seg.append((close_tag("message") + END_OF_MSG, True))
         return _encode_segments(tokenizer, seg)
 
 

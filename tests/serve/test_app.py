@@ -232,7 +232,9 @@ ERRORS = {
                                                         "content": [{"type": "text", "text": "\udc00"}]}]},
                                  "messages.0.content.0.text"),
     "chat-tool-without-function": ("chat", {"tools": [{"type": "function"}]}, "tools.0.function"),
-    "chat-tools-in-chatml": ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    "chat-tool-choice-undeclared": ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                                             "tool_choice": {"type": "function", "function": {"name": "g"}}},
+                                    "tool_choice"),
     "chat-reasoning-in-chatml": ("chat", {"reasoning_effort": "high"}, "reasoning_effort"),
 }
 

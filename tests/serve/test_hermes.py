@@ -49,7 +49,8 @@ def test_calls_and_results_round_trip():
     p = HermesOutput({"get_weather": WEATHER, "get_time": TIME})
     events = p.feed(written) + p.finish()
     assert [(e.kind, e.text, e.name) for e in events] == [
-        ("content", "Checking.\n", ""), ("tool_call", '{"city": "Paris"}', "get_weather"), ("tool_call", "{}", "get_time")]
+        ("content", "Checking.\n", ""), ("tool_call", '{"city": "Paris"}', "get_weather"),
+        ("tool_call", "{}", "get_time")]
 
 
 def test_forced_calls_prefill_the_start_of_the_call():
@@ -59,7 +60,8 @@ def test_forced_calls_prefill_the_start_of_the_call():
     assert ChatTemplate().render(msgs, TOOLS, named).endswith(
         '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": ')
     # the parser has read the prefill: the model's continuation completes the call
-    for choice, rest in (("required", 'get_time", "arguments": {}}\n</tool_call>'), (named, '{"city": "Oslo"}}\n</tool_call>')):
+    for choice, rest in (("required", 'get_time", "arguments": {}}\n</tool_call>'),
+                         (named, '{"city": "Oslo"}}\n</tool_call>')):
         p = ChatTemplate().prompt(_Chars(), msgs, TOOLS, choice).parser
         events = p.feed(rest) + p.finish()
         assert [e.kind for e in events] == ["tool_call"] and json.loads(events[0].text) in ({}, {"city": "Oslo"})
@@ -94,7 +96,8 @@ def _merged(events):
     return out
 
 
-@pytest.mark.parametrize("text", [REPLY, "no calls, only <tool text> and <tool_cal", "a <tool_call>{bad json</tool_call> b \n",
+@pytest.mark.parametrize("text", [REPLY, "no calls, only <tool text> and <tool_cal",
+                                  "a <tool_call>{bad json</tool_call> b \n",
                                   REPLY + "\n then \n " + REPLY + " \n"])
 def test_parser_is_the_same_in_every_chunk_split(text):
     whole = _merged(_events(text, []))

@@ -19,7 +19,8 @@ from .test_real_server import _serve
 
 MODEL = "k3-fake"
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": CITY}}
+WEATHER = {"type": "function",
+           "function": {"name": "get_weather", "description": "Weather of a city", "parameters": CITY}}
 SCRIPT = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
           '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>ignored')
 USER = [{"role": "user", "content": "Weather in Paris and Oslo?"}]

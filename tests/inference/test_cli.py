@@ -202,7 +202,7 @@ def test_chat_and_serve_use_the_checkpoints_chat_format(tmp_path):
     engine = make_engine(model, tok)
     seen = []
     submit = engine.submit
-    engine.submit = lambda req: seen.append(req) or submit(req)
+    engine.submit = lambda req, *rest: seen.append(req) or submit(req, *rest)
     engine.start()
     try:
         msgs = [{"role": "user", "content": "hello"}]

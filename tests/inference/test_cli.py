@@ -192,7 +192,8 @@ def test_chat_and_serve_use_the_checkpoints_chat_format(tmp_path):
     from starlette.testclient import TestClient
 
     from k3.cli.chat import reply
-    from k3.cli.generate import load_for_inference, make_engine
+    from k3.cli.generate import make_engine
+    from k3.inference.load import load_for_inference
     from k3.inference.api import SamplingParams
     from k3.serve import create_app
     from k3.serve.xtml import KimiK3Chat

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import cuda_time_ms, header, rel_rms  # noqa: E402
 from k3 import K3Config, K3ForCausalLM  # noqa: E402
-from k3.checkpoint import load_pretrained, save_pretrained  # noqa: E402
+from k3.pretrained import load_pretrained, save_pretrained  # noqa: E402
 from k3.data import encode_documents, eos_id, load_tokenizer, split_documents, stdlib_documents  # noqa: E402
 from k3.data.packing import PackedDataset  # noqa: E402
 from k3.distributed.plan import ParallelDims, ParallelPlan  # noqa: E402

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from k3.checkpoint import load_pretrained
+from k3.pretrained import load_pretrained
 from k3.data import load_tokenizer
 from k3.distributed.plan import ParallelDims, ParallelPlan
 from k3.post.evaluate import evaluate_policy

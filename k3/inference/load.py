@@ -5,12 +5,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from ..checkpoint import load_pretrained
+from ..pretrained import load_pretrained
 from ..checkpoint.manifest import verify_checksums
 from ..data import load_tokenizer
 from ..data.kimi_tokenizer import is_kimi_tokenizer_dir
@@ -46,13 +45,6 @@ def load_for_inference(path: str | Path, device, dtype: torch.dtype | None = Non
                                 "directory or a Kimi release directory")
     if verify:
         verify_checksums(p, ["tiktoken.model", "tokenizer_config.json"] if kimi else ["tokenizer.json"])
-    model = load_pretrained(p, dtype=torch.float32, verify=verify, keep_packed=packed_experts, vision=_has_vision(p))
+    model = load_pretrained(p, dtype=torch.float32, verify=verify, keep_packed=packed_experts, vision=None)
     model = model.to(device, dtype or inference_dtype(device)).eval()
     return model, load_tokenizer(p)
-
-
-def _has_vision(directory: Path) -> bool:
-    try:
-        return "vision_config" in json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError):
-        return False  # load_pretrained says what is wrong with the file

@@ -167,7 +167,7 @@ def rl_train(cfg: RLConfig, plan: TrainingPlan, tasks: dict | None = None, log=p
                          "effort) distilled")
     teachers = {}
     for key, path in cfg.teachers.items():
-        from ..checkpoint import load_pretrained
+        from ..pretrained import load_pretrained
 
         teachers[key] = load_pretrained(path, dtype=torch.float32).to(device).eval()
     trainer = Trainer(tcfg, plan, model, state, saved_steps, log)

@@ -5,7 +5,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from k3 import K3Config, K3ForCausalLM
-from k3.checkpoint import CheckpointError, load_pretrained, save_pretrained
+from k3.checkpoint import CheckpointError
+from k3.pretrained import load_pretrained, save_pretrained
 from k3.checkpoint.io import read_hf_tensors
 from k3.quant import dequantize_mxfp4, quantize_mxfp4
 

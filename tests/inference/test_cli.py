@@ -10,9 +10,9 @@ import time
 import torch
 
 from k3 import K3Config, K3ForCausalLM
-from k3.checkpoint import save_pretrained
 from k3.cli import chat, main
 from k3.data.tokenizer import save_tokenizer, train_tokenizer
+from k3.pretrained import load_pretrained, save_pretrained
 
 
 def make_checkpoint(tmp_path):
@@ -177,7 +177,7 @@ def test_generate_with_the_kimi_tokenizer(tmp_path, capsys):
     ck, tok = make_kimi_checkpoint(tmp_path)
     assert main(["generate", "--checkpoint", str(ck), "--prompt", "hello world", "--max-tokens", "4",
                  "--temperature", "0"]) == 0
-    model = K3ForCausalLM.from_pretrained(ck).eval()
+    model = load_pretrained(ck).eval()
     ids = tok.encode("hello world").ids
     for _ in range(4):  # greedy by full recompute
         with torch.no_grad():

@@ -8,9 +8,10 @@ import torch
 
 from k3.config import K3Config
 from k3.data import save_tokenizer
-from k3.model.transformer import K3ForCausalLM
 from k3.distributed.plan import ParallelDims, ParallelPlan
+from k3.model.transformer import K3ForCausalLM
 from k3.post.rl import RLConfig, rl_train
+from k3.pretrained import save_pretrained
 from k3.train.loop import TrainConfig
 from k3.train.metrics import read_metrics
 
@@ -27,7 +28,7 @@ def sft_ckpt(tmp_path, chat_tokenizer):
     torch.manual_seed(0)
     model = K3ForCausalLM(K3Config.preset("tiny").replace(vocab_size=chat_tokenizer.get_vocab_size()))
     d = tmp_path / "sft"
-    model.save_pretrained(d)
+    save_pretrained(model, d)
     save_tokenizer(chat_tokenizer, d / "tokenizer.json")
     return d
 
@@ -88,7 +89,7 @@ def stopping_ckpt(tmp_path, chat_tokenizer):
         model.model.norm.weight.zero_()
         model.model.norm.weight[0] = 1.0
     d = tmp_path / "stopping"
-    model.save_pretrained(d)
+    save_pretrained(model, d)
     save_tokenizer(chat_tokenizer, d / "tokenizer.json")
     return d
 

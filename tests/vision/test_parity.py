@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from k3.vision import K3ForConditionalGeneration
+from k3.pretrained import load_pretrained, save_pretrained
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Kimi_K25ForConditionalGeneration"):
@@ -74,12 +74,12 @@ def pair(tmp_path_factory):
     text = transformers.DeepseekV3ForCausalLM(cfg.text_config)
     text.model.load_state_dict(hf.model.language_model.state_dict())
     text.lm_head.load_state_dict(hf.lm_head.state_dict())
-    text.save_pretrained(d / "text")
+    save_pretrained(text, d / "text")
     tensors = {f"language_model.{k}": v for k, v in load_file(d / "text" / "model.safetensors").items()}
     tensors |= _release_vision(hf.state_dict(), VISION["num_attention_heads"])
     save_file({k: v.contiguous() for k, v in tensors.items()}, d / "model.safetensors")
     (d / "config.json").write_text(cfg.to_json_string(use_diff=True))  # transformers' K2.5 config.json
-    return hf, K3ForConditionalGeneration.from_pretrained(d).eval()
+    return hf, load_pretrained(d, vision=True).eval()
 
 
 def _images(seed=1):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from k3.pretrained import load_pretrained, save_pretrained
+from k3.pretrained import load_pretrained
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Kimi_K25ForConditionalGeneration"):
@@ -74,7 +74,7 @@ def pair(tmp_path_factory):
     text = transformers.DeepseekV3ForCausalLM(cfg.text_config)
     text.model.load_state_dict(hf.model.language_model.state_dict())
     text.lm_head.load_state_dict(hf.lm_head.state_dict())
-    save_pretrained(text, d / "text")
+    text.save_pretrained(d / "text")
     tensors = {f"language_model.{k}": v for k, v in load_file(d / "text" / "model.safetensors").items()}
     tensors |= _release_vision(hf.state_dict(), VISION["num_attention_heads"])
     save_file({k: v.contiguous() for k, v in tensors.items()}, d / "model.safetensors")

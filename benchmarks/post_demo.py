@@ -166,7 +166,8 @@ def main():
                           vocab_size=512, init_from=args.sft_init, steps=args.sft_steps, batch_size=args.sft_batch, seq_len=args.sft_seq_len,
                           lr=3e-3, eval_every=args.sft_steps, log_every=10, save_every=args.sft_steps,
                           device=args.device)
-        train(cfg, ParallelPlan(ParallelDims(), resolve_device(args.device)), log=lambda *a: None, prepare=prepare)
+        plan = ParallelPlan(ParallelDims(), resolve_device(args.device))
+        train(cfg, plan, log=lambda *a: None, prepare=prepare)
         done("sft_s", time.time() - t0)
         done("sft", evaluate(sft_ckpt, tasks, args))
     if "rl" in stages:  # the max variant first: a loose budget

@@ -314,6 +314,7 @@ def read_checkpoint(directory: str | Path, config: K3Config | None = None, dtype
                       "checkpoint has no MTP weights; loading the model without MTP", stacklevel=3)
         config = config.replace(num_nextn_predict_layers=0)
     if vision:
-        state = {TEXT_PREFIX + k: v for k, v in state.items()} | vision_state(hf, state["model.embed_tokens.weight"].dtype)
+        towers = vision_state(hf, state["model.embed_tokens.weight"].dtype)
+        state = {TEXT_PREFIX + k: v for k, v in state.items()} | towers
         skipped = [n for n in skipped if not is_vision(n)]
     return Checkpoint(config, state, skipped, vision)

@@ -57,6 +57,15 @@ def test_round_trip_in_the_release_layout(tmp_path, model):
     torch.testing.assert_close(_logits(back, ids, pixels), _logits(model, ids, pixels), rtol=0, atol=0)
 
 
+def test_the_loader_builds_the_class_the_config_describes(tmp_path, model):
+    """``vision=None`` (what ``load_for_inference`` asks): a multimodal config.json gives K3ForConditionalGeneration,
+    a text one K3ForCausalLM."""
+    save_pretrained(model, tmp_path / "mm")
+    save_pretrained(K3ForCausalLM(K3Config.preset("tiny")), tmp_path / "text")
+    assert type(load_pretrained(tmp_path / "mm", vision=None)) is K3ForConditionalGeneration
+    assert type(load_pretrained(tmp_path / "text", vision=None)) is K3ForCausalLM
+
+
 def test_text_model_alone_loads_from_the_multimodal_checkpoint(tmp_path, model):
     save_pretrained(model, tmp_path)
     with pytest.warns(UserWarning, match="skipped 18 tensor\\(s\\) .*mm_projector, vision_tower"):

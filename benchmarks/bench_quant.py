@@ -35,9 +35,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import cuda_time_ms, header, rel_rms  # noqa: E402
 from k3 import K3Config, K3ForCausalLM  # noqa: E402
-from k3.checkpoint import load_pretrained, save_pretrained  # noqa: E402
+from k3.pretrained import load_pretrained, save_pretrained  # noqa: E402
 from k3.data import encode_documents, eos_id, load_tokenizer, split_documents, stdlib_documents  # noqa: E402
 from k3.data.packing import PackedDataset  # noqa: E402
+from k3.distributed.plan import ParallelDims, ParallelPlan  # noqa: E402
 from k3.model.params import count_bytes, memory_summary  # noqa: E402
 from k3.quant import pack_experts  # noqa: E402
 from k3.train.loop import TrainConfig, evaluate, train  # noqa: E402
@@ -67,7 +68,7 @@ def quality(args, dev) -> dict:
     for cfg_ in (base, dataclasses.replace(base, out=str(run / "control"), **ft),
                  dataclasses.replace(base, out=str(run / "qat"), qat="mxfp4", **ft)):
         if not (args.eval_only and (Path(cfg_.out) / "checkpoint").is_dir()):
-            train(cfg_, log=print)
+            train(cfg_, ParallelPlan(ParallelDims(), dev), log=print)
     train_s = time.time() - t0
 
     tok = load_tokenizer(run / "base" / "checkpoint" / "tokenizer.json")

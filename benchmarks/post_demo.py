@@ -24,14 +24,15 @@ from pathlib import Path
 
 import torch
 
-from k3.checkpoint import load_pretrained
+from k3.pretrained import load_pretrained
 from k3.data import load_tokenizer
+from k3.distributed.plan import ParallelDims, ParallelPlan
 from k3.post.evaluate import evaluate_policy
 from k3.post.rl import RLConfig, rl_train
 from k3.post.sft_data import prepare
 from k3.post.tasks import get_task, write_sft_jsonl
 from k3.post.tasks.sorting import TRACES as SORTING_TRACES
-from k3.train.loop import TrainConfig, train
+from k3.train.loop import TrainConfig, resolve_device, train
 from k3.train.metrics import read_metrics
 
 EFFORTS = ("low", "high", "max")
@@ -56,7 +57,7 @@ def rl(args, tasks, name, init, efforts, steps, **kw):
                     log_every=10, save_every=steps, mtp_weight=0.0, device=args.device, preset=args.preset)
     cfg = RLConfig(train=t, tasks=tuple(tasks), efforts=efforts, samples=args.samples, prompts=args.prompts,
                    max_tokens=args.max_tokens, **kw)
-    rl_train(cfg, tasks, log=lambda *a: None)
+    rl_train(cfg, ParallelPlan(ParallelDims(), resolve_device(args.device)), tasks, log=lambda *a: None)
     return Path(t.out) / "checkpoint", read_metrics(t.out)
 
 
@@ -165,7 +166,8 @@ def main():
                           vocab_size=512, init_from=args.sft_init, steps=args.sft_steps, batch_size=args.sft_batch, seq_len=args.sft_seq_len,
                           lr=3e-3, eval_every=args.sft_steps, log_every=10, save_every=args.sft_steps,
                           device=args.device)
-        train(cfg, log=lambda *a: None, prepare=prepare)
+        plan = ParallelPlan(ParallelDims(), resolve_device(args.device))
+        train(cfg, plan, log=lambda *a: None, prepare=prepare)
         done("sft_s", time.time() - t0)
         done("sft", evaluate(sft_ckpt, tasks, args))
     if "rl" in stages:  # the max variant first: a loose budget

@@ -46,7 +46,7 @@ def test_the_readme_has_the_examples_this_file_runs():
 def demo_dir(tmp_path):
     """runs/demo/checkpoint as `k3 demo` leaves it, with random weights (the examples only need it to load)."""
     from k3 import K3Config, K3ForCausalLM
-    from k3.checkpoint import save_pretrained
+    from k3.pretrained import save_pretrained
     from k3.data import save_tokenizer, train_tokenizer
 
     ckpt = tmp_path / "runs" / "demo" / "checkpoint"

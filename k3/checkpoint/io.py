@@ -1,4 +1,7 @@
-"""Reading and writing K3 checkpoints (see the package docstring for the name translation)."""
+"""Reading and writing K3 checkpoints as state dicts (see the package docstring for the name translation).
+
+Names, shards and checksums only: no model is built here (k3.pretrained builds one from what this reads).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import json
 import re
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError
@@ -167,30 +171,21 @@ def _atomic_save(tensors: dict, path: Path, metadata: dict | None = None) -> Non
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
 
 
-def save_pretrained(model, directory: str | Path, max_shard_bytes: int = 5 * 2**30, state: dict | None = None,
-                    quantization: str | None = None) -> None:
-    """Write config.json and the weights in HF naming; shards + ``model.safetensors.index.json`` when the
-    weights exceed ``max_shard_bytes``. Every file is written to a temp name and renamed into place, and their
-    sha256 sums into ``SHA256SUMS`` last (see manifest.py).
-    ``state``: the full state dict to write instead of ``model.state_dict()`` (e.g. gathered from FSDP shards).
-    ``quantization="mxfp4"``: routed experts in the release's packed layout (k3.quant.export) with its
-    ``quantization_config``; a model that already keeps its experts packed is written packed either way.
-    A multimodal model (k3.vision.K3ForConditionalGeneration) is written in the release's multimodal layout: the text
-    weights, translated as a text model's, under ``language_model.``, the vision tensors as they are named."""
-    from ..quant.export import is_packed_state, pack_expert_state, quantization_config
-
-    if quantization not in (None, "mxfp4"):
-        raise ValueError(f"save_pretrained(quantization=...) must be None or 'mxfp4'; got {quantization!r}")
+def write_checkpoint(directory: str | Path, state: dict[str, torch.Tensor], config: K3Config,
+                     max_shard_bytes: int = 5 * 2**30, quantization_config: dict | None = None) -> None:
+    """Write ``state`` (our names, on the CPU) as config.json + safetensors in HF naming; shards +
+    ``model.safetensors.index.json`` when the weights exceed ``max_shard_bytes``. Every file is written to a temp
+    name and renamed into place, and their sha256 sums into ``SHA256SUMS`` last (see manifest.py).
+    ``quantization_config``: written into config.json (the tensors are packed, k3.quant.export); None drops it.
+    A multimodal state (text weights under ``language_model.``) is written in the release's multimodal layout: the
+    text weights translated as a text model's, the vision tensors as they are named."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu() for k, v in (model.state_dict() if state is None else state).items()}
-    if quantization == "mxfp4":
-        state = pack_expert_state(state)
     parts = split_text(state)
     if parts is None:
-        hf = to_hf_state_dict(state, model.config)
+        hf = to_hf_state_dict(state, config)
     else:
-        hf = {TEXT_PREFIX + k: v for k, v in to_hf_state_dict(parts[0], model.config).items()} | parts[1]
+        hf = {TEXT_PREFIX + k: v for k, v in to_hf_state_dict(parts[0], config).items()} | parts[1]
     # tensors that share storage (the per-expert views of one 3-D tensor) must be saved as separate copies
     hf = {k: v.clone() if v.storage_offset() or not v.is_contiguous() else v for k, v in hf.items()}
     shards: list[dict] = [{}]
@@ -221,10 +216,10 @@ def save_pretrained(model, directory: str | Path, max_shard_bytes: int = 5 * 2**
         (d / SINGLE).unlink(missing_ok=True)
     # quantization_config describes the tensors written: there when the experts are packed, dropped when not (a
     # release checkpoint loaded dequantised and saved again is plain bf16/fp32)
-    extra = {k: v for k, v in model.config.extra.items() if k != "quantization_config"}
-    if is_packed_state(state):
-        extra["quantization_config"] = quantization_config()
-    c = model.config.replace(extra=extra)
+    extra = {k: v for k, v in config.extra.items() if k != "quantization_config"}
+    if quantization_config is not None:
+        extra["quantization_config"] = quantization_config
+    c = config.replace(extra=extra)
     write_text_atomic(d / CONFIG, json.dumps(c.to_hf(), indent=2) + "\n")
     written = names + [CONFIG]
     if c.eos_token_id is not None:  # where transformers' generate and mlx-lm read the ids that end generation
@@ -264,7 +259,9 @@ def read_hf_tensors(directory: str | Path, verify: bool = True) -> dict[str, tor
     return tensors
 
 
-def _mismatch(config: K3Config, missing: list[str], unexpected: list[str]) -> str:
+def mismatch_message(config: K3Config, missing: list[str], unexpected: list[str]) -> str:
+    """What a state dict whose names differ from the model's is missing and has extra, with the config's reading of
+    the first layer concerned."""
     missing, unexpected = ([n.removeprefix(TEXT_PREFIX) for n in names] for names in (missing, unexpected))
 
     def few(names):
@@ -283,68 +280,41 @@ def _mismatch(config: K3Config, missing: list[str], unexpected: list[str]) -> st
             "A checkpoint of another model, or a config.json that does not describe these weights?")
 
 
-def load_pretrained(directory: str | Path, config: K3Config | None = None, dtype=None, device="cpu",
-                    strict: bool = True, verify: bool = True, keep_packed: bool = False, vision: bool = False):
-    """Build a K3ForCausalLM from a checkpoint directory: k3's, the K3 release, or a Kimi Linear checkpoint
-    written by transformers. Tensors the text model does not use (vision tower, projector) are skipped with a
-    warning and listed in ``model.skipped_weights``; with ``vision`` they are loaded too, into a
-    k3.vision.K3ForConditionalGeneration (the config.json must have a ``vision_config``). ``verify``: check the files read against the directory's
-    SHA256SUMS (when it has one) and name any that differ. ``keep_packed``: serve the routed experts packed
-    (MXFP4, k3.quant.PackedExpertBank); float experts in the checkpoint are quantised on load (post-training
-    quantisation)."""
-    from ..model.transformer import K3ForCausalLM
-    from ..quant import pack_expert_state, pack_experts
+class Checkpoint(NamedTuple):
+    config: K3Config  # the model's configuration (quantization_config dropped: the modules describe the model)
+    state: dict[str, torch.Tensor]  # our names; a multimodal model's text weights under ``language_model.``
+    skipped: list[str]  # checkpoint tensors the model read does not use
+    vision: bool  # the state holds the vision tower and projector too
 
+
+def read_checkpoint(directory: str | Path, config: K3Config | None = None, dtype=None, verify: bool = True,
+                    keep_packed: bool = False, vision: bool | None = False) -> Checkpoint:
+    """A checkpoint directory (k3's, the K3 release, or a Kimi Linear checkpoint written by transformers) as our
+    state dict. ``verify``: check the files read against the directory's SHA256SUMS (when it has one) and name any
+    that differ. ``keep_packed``: MXFP4 experts stay packed (stacked ``weight_packed`` / ``weight_scale``).
+    ``vision``: True reads the vision tower and projector as well (the config.json must have a
+    ``vision_config``); False reads the text model alone (vision tensors are listed in ``skipped``); None: as the
+    config.json says. Which model class to build from it is k3.pretrained's choice."""
     if verify:
         verify_checksums(directory, [CONFIG])
     config = config or K3Config.from_hf(directory)
+    has_vision = bool((config.top_level or {}).get("vision_config"))
+    if vision is None:
+        vision = has_vision
+    elif vision and not has_vision:
+        raise CheckpointError(f"{directory}: config.json has no vision_config: a text-only checkpoint; load it "
+                              "as K3ForCausalLM, or give the config of a multimodal model")
     hf = read_hf_tensors(directory, verify)
     state, skipped = from_hf_state_dict(hf, config, dtype, keep_packed=keep_packed)
-    if keep_packed:
-        state = pack_expert_state(state)
     if "quantization_config" in config.extra:  # the model in memory is described by its modules, not this
         config = config.replace(extra={k: v for k, v in config.extra.items() if k != "quantization_config"})
     if config.num_nextn_predict_layers and not any(k.startswith("mtp.") for k in state):
         # DeepSeek-V3's config declares an MTP layer that transformers neither builds nor saves
         warnings.warn(f"{directory}: config.json declares {config.num_nextn_predict_layers} MTP layer(s) but the "
-                      "checkpoint has no MTP weights; loading the model without MTP", stacklevel=2)
+                      "checkpoint has no MTP weights; loading the model without MTP", stacklevel=3)
         config = config.replace(num_nextn_predict_layers=0)
-    prefix = TEXT_PREFIX if vision else ""
     if vision:
-        from ..vision.model import K3ForConditionalGeneration  # the vision tower builds on the model, as we do
-
-        if not (config.top_level or {}).get("vision_config"):
-            raise CheckpointError(f"{directory}: config.json has no vision_config: a text-only checkpoint; load it "
-                                  "as K3ForCausalLM, or give the config of a multimodal model")
-        state = {TEXT_PREFIX + k: v for k, v in state.items()} | vision_state(hf, state["model.embed_tokens.weight"].dtype)
+        towers = vision_state(hf, state["model.embed_tokens.weight"].dtype)
+        state = {TEXT_PREFIX + k: v for k, v in state.items()} | towers
         skipped = [n for n in skipped if not is_vision(n)]
-    del hf
-    with torch.device("meta"):
-        model = K3ForConditionalGeneration(config) if vision else K3ForCausalLM(config)
-    if keep_packed:
-        pack_experts(model, quantize=False)
-    expected = model.state_dict()
-    if config.tie_word_embeddings:
-        expected.pop(prefix + "lm_head.weight", None)
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if strict and (missing or unexpected):
-        raise CheckpointError(_mismatch(config, missing, unexpected))
-    bad = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
-           for k in expected if k in state and state[k].shape != expected[k].shape]
-    if bad:
-        raise CheckpointError("shape mismatch (a checkpoint of another config?): " + "; ".join(bad[:10]))
-    model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
-    lm = model.language_model if vision else model
-    if config.tie_word_embeddings:
-        lm.lm_head.weight = lm.model.embed_tokens.weight
-    leftover = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
-    if leftover:
-        raise CheckpointError(f"parameters not in the checkpoint: {leftover[:10]}")
-    unused = [n for n in skipped if ".shared_head.head." not in n]  # MTP heads repeat lm_head: nothing to say
-    if unused:
-        prefixes = sorted({n.removeprefix("language_model.").split(".")[0] for n in unused})
-        warnings.warn(f"{directory}: loaded the text model; skipped {len(unused)} tensor(s) it does not use "
-                      f"(under {', '.join(prefixes)}); see model.skipped_weights", stacklevel=2)
-    model.skipped_weights = skipped
-    return model
+    return Checkpoint(config, state, skipped, vision)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ..inference.load import load_for_inference
 from .common import add_device_argument, add_verify_argument
-from .generate import ReplyInterrupted, add_sampling_arguments, load_for_inference, make_engine, sampling_from_args
+from .generate import ReplyInterrupted, add_sampling_arguments, make_engine, sampling_from_args
 
 HELP = "chat with a checkpoint in the terminal (multi-turn; earlier turns hit the prefix cache)"
 

@@ -26,7 +26,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from .generate import generate_text, load_for_inference
+    from ..inference.load import load_for_inference
+    from .generate import generate_text
     from .plot import plot_run
 
     cfg = config_from_args(args, DEMO)

@@ -186,7 +186,7 @@ def report(r: dict, kinds: list[str]) -> None:
 
 
 def run(args) -> int:
-    from ..checkpoint import save_pretrained
+    from ..pretrained import save_pretrained
     from ..data.tokenizer import save_tokenizer
     from ..vision import VisionConfig
 

@@ -43,9 +43,9 @@ def held_out(checkpoint: Path, path: Path):
     from ..post.format import ChatFormat
     from ..post.sft_data import encode_conversation, load_conversations
     from ..post.sft_images import ImagePrompt
-    from ..vision import K3ForConditionalGeneration
+    from ..pretrained import load_pretrained
 
-    model = K3ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model = load_pretrained(checkpoint, dtype=torch.float32, vision=True).eval()
     tok = load_tokenizer(checkpoint / "tokenizer.json")
     fmt, prompt = ChatFormat(tok), ImagePrompt(model.vision_config, model.media_placeholder_token_id)
     docs = [d for c in load_conversations(path) for d in encode_conversation(fmt, c.messages, c.effort, prompt,

@@ -39,8 +39,8 @@ def _tasks(args, model, tok) -> dict:
 
 def run(args) -> int:
     from ..eval.scoring import score_text
+    from ..inference.load import load_for_inference
     from ..train.loop import resolve_device
-    from .generate import load_for_inference
 
     model, tok = load_for_inference(args.checkpoint, resolve_device(args.device))
     if args.text:

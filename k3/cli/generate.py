@@ -5,8 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
+from ..inference.load import load_for_inference
 from .common import add_device_argument, add_verify_argument, int_at_least, number, positive_int, seed
 
 HELP = "sample a continuation of --prompt from a checkpoint (streams to stdout)"
@@ -39,53 +38,6 @@ def sampling_from_args(args, stop=()):
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, seed=args.seed, stop=tuple(stop))
-
-
-def inference_dtype(device, name: str = "auto") -> torch.dtype:
-    """bf16 on CUDA (the fused expert matmul and CUDA graphs need it), fp32 on the CPU, unless named."""
-    if name == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
-
-
-def load_for_inference(path: str | Path, device, dtype: torch.dtype | None = None, verify: bool = True,
-                       packed_experts: bool = False):
-    """(model, tokenizer) from a checkpoint directory or a run directory holding ``checkpoint/``: the model in
-    ``dtype`` (default: ``inference_dtype(device)``); ``verify`` checks the files against the checkpoint's
-    SHA256SUMS (k3.checkpoint.manifest) first; ``packed_experts``: the routed experts stay MXFP4-packed
-    (k3.quant.PackedExpertBank; the dtype cast leaves their uint8 buffers alone). A multimodal checkpoint (its
-    config.json has a ``vision_config``) loads with its vision tower (k3.vision.K3ForConditionalGeneration). The
-    tokenizer is the Kimi release's (``tiktoken.model`` + ``tokenizer_config.json``) when the directory has one,
-    else k3's ``tokenizer.json``."""
-    from ..checkpoint import load_pretrained
-    from ..checkpoint.manifest import verify_checksums
-    from ..data import load_tokenizer
-    from ..data.kimi_tokenizer import is_kimi_tokenizer_dir
-
-    p = Path(path)
-    if not p.is_dir():
-        raise FileNotFoundError(f"--checkpoint {path}: no such directory; point it at a k3 checkpoint directory "
-                                "(RUN/checkpoint) or a run directory")
-    if (p / "checkpoint").is_dir():
-        p = p / "checkpoint"
-    kimi = is_kimi_tokenizer_dir(p)
-    if not (p / "tokenizer.json").exists() and not kimi:
-        raise FileNotFoundError(f"no tokenizer.json or tiktoken.model in {p}: point --checkpoint at a k3 checkpoint "
-                                "directory or a Kimi release directory")
-    if verify:
-        verify_checksums(p, ["tiktoken.model", "tokenizer_config.json"] if kimi else ["tokenizer.json"])
-    model = load_pretrained(p, dtype=torch.float32, verify=verify, keep_packed=packed_experts, vision=_has_vision(p))
-    model = model.to(device, dtype or inference_dtype(device)).eval()
-    return model, load_tokenizer(p)
-
-
-def _has_vision(directory: Path) -> bool:
-    import json
-
-    try:
-        return "vision_config" in json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError):
-        return False  # load_pretrained says what is wrong with the file
 
 
 def make_engine(model, tok, name: str = "k3", **overrides):

@@ -95,9 +95,16 @@ def rl_config(args, distill: bool = False):
 
 
 def run(args, distill: bool = False) -> int:
+    from ..distributed.plan import ParallelDims, ParallelPlan
     from ..post.rl import rl_train
+    from ..train.loop import resolve_device
 
-    result = rl_train(rl_config(args, distill))
+    cfg = rl_config(args, distill)
+    plan = ParallelPlan(ParallelDims(), resolve_device(cfg.train.device))
+    try:
+        result = rl_train(cfg, plan)
+    finally:
+        plan.close()
     if not result.get("already_complete"):
         print(f"done: step {result['step']}; checkpoint in {result['run']}/checkpoint, metrics in "
               f"{result['run']}/metrics.jsonl (k3 plot {result['run']})")

@@ -104,9 +104,9 @@ def pool_pages(model, page_tokens: int, device, fraction: float, dtype) -> int:
 def build_engine(args):
     """The engine ``k3 serve`` runs for ``args`` (a picklable namespace: the engine's own process builds it too)."""
     from ..inference.engine import Engine, EngineConfig
+    from ..inference.load import inference_dtype, load_for_inference
     from ..quant import pack_experts
     from ..train.loop import resolve_device
-    from .generate import inference_dtype, load_for_inference
 
     device = resolve_device(args.device)
     dtype = inference_dtype(device, args.dtype)

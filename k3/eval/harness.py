@@ -29,7 +29,7 @@ class K3LM(TemplateLM):
     def __init__(self, checkpoint: str | None = None, device: str = "auto", max_length: int = 2048,
                  batch_size: int | str = "auto", max_gen_toks: int = 256, model=None, tokenizer=None, **unused):
         super().__init__()
-        from ..cli.generate import load_for_inference
+        from ..inference.load import load_for_inference
         from ..train.loop import resolve_device
 
         if model is None:

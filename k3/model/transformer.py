@@ -117,20 +117,6 @@ class K3ForCausalLM(nn.Module):
                 m.fuse_projections()
         return self
 
-    def save_pretrained(self, directory, **kwargs) -> None:
-        """Write config.json + safetensors in the checkpoint layout of ``config.hf_layout`` (k3.checkpoint)."""
-        from ..checkpoint import save_pretrained  # checkpoint builds on the model: imported when called
-
-        save_pretrained(self, directory, **kwargs)
-
-    @classmethod
-    def from_pretrained(cls, directory, **kwargs) -> "K3ForCausalLM":
-        """Load a checkpoint directory: k3's, the K3 release, or a Kimi Linear one written by transformers.
-        Keyword arguments as ``k3.checkpoint.load_pretrained`` (``config``, ``dtype``, ``device``, ``strict``)."""
-        from ..checkpoint import load_pretrained
-
-        return load_pretrained(directory, **kwargs)
-
     def set_kda_backend(self, backend: str) -> None:
         """"auto" (fla-core on CUDA when importable), "torch" (the reference) or "fla", for every KDA layer."""
         from ..ops.kda import BACKENDS

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layers.regions import region
+from .regions import region
 from .precision import autocast_dtype
 
 __all__ = ["linear_ce_sum"]

@@ -28,9 +28,9 @@ import torch
 
 from ..data import load_tokenizer
 from ..train import data as run_data
-from ..train.loop import TrainConfig, resolve_device
+from ..train.loop import TrainConfig
 from ..train.metrics import MetricsLog
-from ..train.plan import StepLoss
+from ..train.plan import StepLoss, TrainingPlan
 from ..train.state import check_resumable, find_checkpoint
 from ..train.trainer import Trainer, build_model
 from .batch import pack, score, token_logprobs
@@ -128,14 +128,19 @@ def _calibrate(model, tok, fmt, cfg: RLConfig, tasks: dict) -> dict[str, BudgetL
     return lines
 
 
-def rl_train(cfg: RLConfig, tasks: dict | None = None, log=print) -> dict:
-    """Run (or resume) ``k3 rl`` / ``k3 distill``. ``tasks``: name -> task (default: k3.post.tasks')."""
+def rl_train(cfg: RLConfig, plan: TrainingPlan, tasks: dict | None = None, log=print) -> dict:
+    """Run (or resume) ``k3 rl`` / ``k3 distill`` under ``plan`` (one process: the caller builds
+    ``k3.distributed.plan.ParallelPlan(ParallelDims(), device)``, as ``k3 rl`` does). ``tasks``: name -> task
+    (default: k3.post.tasks')."""
+    if plan.world != 1:
+        raise ValueError(f"k3 rl / k3 distill run in one process; got a plan over {plan.world} processes (run it "
+                         "without torchrun)")
     if tasks is None:
         from .tasks import get_task
 
         tasks = {name: get_task(name) for name in cfg.tasks}
     tcfg = cfg.train
-    run, device = Path(tcfg.out), resolve_device(tcfg.device)
+    run, device = Path(tcfg.out), plan.device
     run.mkdir(parents=True, exist_ok=True)
     resume_from = find_checkpoint(run)
     if resume_from is not None:
@@ -151,7 +156,6 @@ def rl_train(cfg: RLConfig, tasks: dict | None = None, log=print) -> dict:
     tok = load_tokenizer(run / "tokenizer.json")
     fmt = ChatFormat(tok)
     from ..config import K3Config
-    from ..distributed.plan import ParallelDims, ParallelPlan
 
     mcfg = K3Config.from_hf(init).replace(qat=tcfg.qat)
     torch.manual_seed(tcfg.seed)
@@ -163,10 +167,10 @@ def rl_train(cfg: RLConfig, tasks: dict | None = None, log=print) -> dict:
                          "effort) distilled")
     teachers = {}
     for key, path in cfg.teachers.items():
-        from ..checkpoint import load_pretrained
+        from ..pretrained import load_pretrained
 
         teachers[key] = load_pretrained(path, dtype=torch.float32).to(device).eval()
-    trainer = Trainer(tcfg, ParallelPlan(ParallelDims(), device), model, state, saved_steps, log)
+    trainer = Trainer(tcfg, plan, model, state, saved_steps, log)
     rl_state = state["rl"] if state is not None else None
     if rl_state is None:
         lines = {} if teachers else _calibrate(model, tok, fmt, cfg, tasks)

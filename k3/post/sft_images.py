@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import load_pretrained
+from ..pretrained import load_pretrained
 from ..config import K3Config
 from ..data import PackedDataset
 from ..train.state import load_checkpoint
@@ -155,6 +155,6 @@ def build_model(vision: VisionConfig, placeholder_id: int, mcfg: K3Config, devic
         model, state = load_checkpoint(resume_from, mcfg.replace(top_level=saved), verify=False, vision=True)
         return model.to(device), state
     if vision_of(mcfg.top_level) is not None:  # --init-from a multimodal checkpoint
-        return K3ForConditionalGeneration.from_pretrained(init_dir, config=mcfg, dtype=torch.float32).to(device), None
+        return load_pretrained(init_dir, config=mcfg, dtype=torch.float32, vision=True).to(device), None
     lm = load_pretrained(init_dir, config=mcfg, dtype=torch.float32) if init_dir is not None else None
     return K3ForConditionalGeneration(mcfg, vision, placeholder_id, language_model=lm).to(device), None

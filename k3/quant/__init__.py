@@ -5,7 +5,7 @@
   expert's weights and matmul inputs in ``ExpertBank`` and in the expert-parallel bank (``k3.ops.mx`` sits below the
   layers so that they can call it);
 - export in the release's compressed-tensors ``mxfp4-pack-quantized`` layout: ``export.py`` (used by
-  ``k3.checkpoint.save_pretrained(..., quantization="mxfp4")``);
+  ``k3.pretrained.save_pretrained(..., quantization="mxfp4")``);
 - serving the packed weights: ``packed.py`` (``PackedExpertBank``, the CPU reference) and ``triton_mm.py`` (the
   CUDA kernel).
 """

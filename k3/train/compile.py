@@ -4,7 +4,7 @@ What is compiled, per decoder layer (the MTP layer's too): the FFN (a LatentMoE:
 dispatch, expert matmuls, combine, norm and shared experts; or the dense GatedMLP), KDA's gated per-head output
 norm, MLA's two latent RMSNorms; the model's final norm and the MTP layers' input and head norms (each eager
 RMSNorm is ~8 fp32 kernels forward and ~10 backward over its rows, one fused kernel each way compiled); every
-"attn_res" region (``k3.layers.regions``: the AttnRes mix and the sub-layer's pre-norm; on CUDA it is
+"attn_res" region (``k3.ops.regions``: the AttnRes mix and the sub-layer's pre-norm; on CUDA it is
 one Triton kernel forward and backward, which runs as it is), every
 "kda_activations" region (the L2 norms, forget gate and beta between KDA's short convs and its recurrence), every
 "mla_output" region (MLA's sigmoid output gate in fp32 and the cast for its output projection) and the
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers.regions import REGIONS, set_region_compiler
+from ..ops.regions import REGIONS, set_region_compiler
 
 __all__ = ["compile_model", "compiled_regions"]
 

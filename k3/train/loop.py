@@ -167,15 +167,12 @@ def evaluate(model, dataset: PackedDataset, batch_size: int, max_batches: int, d
     return total / max(n, 1)
 
 
-def train(cfg: TrainConfig, plan: TrainingPlan | None = None, log=print, prepare=None) -> dict:
-    """Run (or resume) training under ``plan``, the run's layout over processes (default, one process:
-    ``k3.distributed.plan.ParallelPlan(ParallelDims(), cfg.device)``). In one process, Ctrl-C stops after the
-    current step with a checkpoint and raises TrainingInterrupted. ``prepare(cfg, run, resume_from, plan) ->
-    RunData``: the run's data (default ``k3.train.data.prepare``, text; ``k3.post.sft_data.prepare`` for chat)."""
-    if plan is None:
-        from ..distributed.plan import ParallelDims, ParallelPlan
-
-        plan = ParallelPlan(ParallelDims(), resolve_device(cfg.device))
+def train(cfg: TrainConfig, plan: TrainingPlan, log=print, prepare=None) -> dict:
+    """Run (or resume) training under ``plan``, the run's layout over processes (k3.train.plan's contract; the
+    caller builds it: ``k3.distributed.plan.ParallelPlan(ParallelDims(dp, ep, cp), device)``, every size 1 for one
+    process, as ``k3.cli.train.run_training`` does). In one process, Ctrl-C stops after the current step with a
+    checkpoint and raises TrainingInterrupted. ``prepare(cfg, run, resume_from, plan) -> RunData``: the run's data
+    (default ``k3.train.data.prepare``, text; ``k3.post.sft_data.prepare`` for chat)."""
     with StopRequest(enabled=plan.world == 1) as stop:
         return _train(cfg, plan, log, stop, prepare or run_data.prepare)
 

@@ -8,7 +8,7 @@ Storage kinds:
   offload    copied to host memory in the forward (pinned, asynchronous on CUDA) and back in the backward.
 
 The choice per saved tensor comes from light annotations: the innermost named region it was saved in
-(``k3.layers.regions``: "attn_res", "moe_experts"), else whether it was saved inside a decoder layer ("layer"),
+(``k3.ops.regions``: "attn_res", "moe_experts"), else whether it was saved inside a decoder layer ("layer"),
 its size (``offload_min_bytes``), and whether it is a weight (weights are never moved). Policies:
 
   keep       everything kept.
@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..layers.regions import REGIONS, region_handler
+from ..ops.regions import REGIONS, region_handler
 
 __all__ = ["MemoryPolicy", "POLICIES", "SavedStats", "ActivationManager"]
 

@@ -2,7 +2,7 @@
 
 A checkpoint is a directory ``RUN/checkpoint``:
 
-    config.json, model.safetensors (or shards + index)   the model, loadable by k3.checkpoint.load_pretrained
+    config.json, model.safetensors (or shards + index)   the model, loadable by k3.pretrained.load_pretrained
     tokenizer.json                                        the run's tokenizer
     trainer_state.pt                                      optimiser, scheduler, balancer, data position, RNG, step
     train_config.json                                     the TrainConfig the run was started with
@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import CheckpointError, load_pretrained, save_pretrained
+from ..checkpoint import CheckpointError
+from ..pretrained import load_pretrained, save_pretrained
 from ..checkpoint.manifest import record_checksums, verify_checksums
 from ..config import K3Config
 

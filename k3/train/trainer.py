@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import load_pretrained
+from ..pretrained import load_pretrained
 from ..config import K3Config
 from ..model.transformer import K3ForCausalLM
 from .balance import ExpertBalancer

@@ -84,7 +84,7 @@ def _init_vision(module: nn.Module, num_layers: int, std: float = 0.02) -> None:
 class K3ForConditionalGeneration(nn.Module):
     """``config``: the text model's K3Config; its ``top_level`` (the multimodal wrapper of config.json) holds
     ``vision_config`` and ``media_placeholder_token_id``. ``vision`` / ``media_placeholder_token_id`` set them
-    (and are written into ``config.top_level``, so that ``save_pretrained`` writes the release's wrapper).
+    (and are written into ``config.top_level``, so that ``k3.pretrained.save_pretrained`` writes the release's wrapper).
     ``language_model``: a text model to give the new tower and projector to (its weights kept; ``k3 sft --vision``)
     instead of a freshly initialised one."""
 
@@ -167,18 +167,3 @@ class K3ForConditionalGeneration(nn.Module):
 
     def set_kda_backend(self, backend: str) -> None:
         self.language_model.set_kda_backend(backend)
-
-    def save_pretrained(self, directory, **kwargs) -> None:
-        """config.json (the release's multimodal wrapper) + safetensors: ``language_model.`` beside ``vision_tower.``
-        and ``mm_projector.`` (k3.checkpoint)."""
-        from ..checkpoint import save_pretrained
-
-        save_pretrained(self, directory, **kwargs)
-
-    @classmethod
-    def from_pretrained(cls, directory, **kwargs) -> "K3ForConditionalGeneration":
-        """Load a multimodal checkpoint directory (the K3 release, K2.5's as transformers writes it, or k3's).
-        Keyword arguments as ``k3.checkpoint.load_pretrained``."""
-        from ..checkpoint import load_pretrained
-
-        return load_pretrained(directory, vision=True, **kwargs)

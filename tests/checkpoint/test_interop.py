@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from k3 import K3Config, K3ForCausalLM
-from k3.checkpoint import CheckpointError, load_pretrained, save_pretrained
+from k3.checkpoint import CheckpointError
+from k3.pretrained import load_pretrained, save_pretrained
 from tests.test_config import TRANSFORMERS_KIMI_LINEAR
 
 KIMI_LINEAR = K3Config.from_hf(TRANSFORMERS_KIMI_LINEAR)  # 4 layers (3 KDA, 1 MLA), dense + plain MoE, softplus gate
@@ -49,7 +50,7 @@ def test_from_pretrained_reads_a_directory_transformers_wrote(tmp_path, transfor
     hf.save_pretrained(tmp_path)
     names = set(load_file(tmp_path / "model.safetensors"))
     assert "model.layers.0.block_sparse_moe.gate_proj.weight" in names  # transformers' name for layer 0's dense MLP
-    model = K3ForCausalLM.from_pretrained(tmp_path).eval()
+    model = load_pretrained(tmp_path).eval()
     assert model.config.hf_layout == "kimi_linear" and not model.config.mla_use_output_gate
     x = torch.randint(0, 256, (2, 12))
     assert _rel(_logits(model, x), _logits(hf, x)) < 1e-5
@@ -60,7 +61,7 @@ def test_from_pretrained_reads_a_directory_transformers_wrote(tmp_path, transfor
 def test_transformers_loads_what_k3_writes(tmp_path, transformers):
     torch.manual_seed(0)
     model = K3ForCausalLM(KIMI_LINEAR).eval()
-    model.save_pretrained(tmp_path)
+    save_pretrained(model, tmp_path)
     t = load_file(tmp_path / "model.safetensors")
     assert t["model.layers.0.self_attn.A_log"].shape == (1, 1, 4, 1)  # the shape transformers' module holds
     config = transformers.AutoConfig.from_pretrained(tmp_path)
@@ -68,7 +69,7 @@ def test_transformers_loads_what_k3_writes(tmp_path, transformers):
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     x = torch.randint(0, 256, (2, 12))
     assert _rel(_logits(hf, x), _logits(model, x)) < 1e-5
-    back = K3ForCausalLM.from_pretrained(tmp_path)  # and k3 reads its own file back
+    back = load_pretrained(tmp_path)  # and k3 reads its own file back
     torch.testing.assert_close(_logits(back, x), _logits(model, x))
 
 
@@ -213,7 +214,7 @@ def test_dequantised_release_is_not_saved_as_quantised(tmp_path):
         warnings.simplefilter("error")
         model = load_pretrained(tmp_path)
     assert "quantization_config" not in model.config.extra
-    model.save_pretrained(tmp_path / "again")
+    save_pretrained(model, tmp_path / "again")
     assert "quantization_config" not in json.loads((tmp_path / "again" / "config.json").read_text())["text_config"]
 
 
@@ -246,11 +247,11 @@ def test_kimi_k2_architecture_both_ways_with_deepseek_v3(tmp_path, transformers)
                 b.normal_(0, 0.1)
     hf.save_pretrained(tmp_path / "hf")
     with pytest.warns(UserWarning, match="no MTP weights"):  # DeepseekV3Config declares one; transformers has none
-        model = K3ForCausalLM.from_pretrained(tmp_path / "hf").eval()
+        model = load_pretrained(tmp_path / "hf").eval()
     assert model.config.hf_layout == "deepseek_v3" and not model.config.mla_use_nope
     x = torch.randint(0, 256, (2, 12))
     assert _rel(_logits(model, x), _logits(hf, x)) < 1e-5
-    model.save_pretrained(tmp_path / "k3")
+    save_pretrained(model, tmp_path / "k3")
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in load_file(tmp_path / "k3" / "model.safetensors")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "k3").eval()
     assert type(back).__name__ == "DeepseekV3ForCausalLM" and _rel(_logits(back, x), _logits(model, x)) < 1e-5
@@ -273,14 +274,14 @@ def test_yarn_rope_matches_transformers_deepseek_v3_both_ways(tmp_path, transfor
         **DEEPSEEK, rope_scaling=dict(yarn), max_position_embeddings=256)).eval()  # a copy: transformers edits it
     hf.save_pretrained(tmp_path / "hf")
     with pytest.warns(UserWarning, match="no MTP weights"):
-        model = K3ForCausalLM.from_pretrained(tmp_path / "hf").eval()
+        model = load_pretrained(tmp_path / "hf").eval()
     assert model.config.rope_scaling["factor"] == yarn["factor"]
     x = torch.randint(0, 256, (2, 40))
     assert _rel(_logits(model, x), _logits(hf, x)) < 1e-5
     plain = K3ForCausalLM(model.config.replace(rope_scaling=None)).eval()
     plain.load_state_dict(model.state_dict())
     assert _rel(_logits(plain, x), _logits(hf, x)) > 1e-3  # the extension is what makes them equal
-    model.save_pretrained(tmp_path / "k3")
+    save_pretrained(model, tmp_path / "k3")
     assert json.loads((tmp_path / "k3" / "config.json").read_text())["rope_scaling"]["factor"] == yarn["factor"]
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "k3").eval()
     assert _rel(_logits(back, x), _logits(model, x)) < 1e-5
@@ -312,7 +313,7 @@ def test_reads_the_kimi_k2_5_release_layout(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(release))
     (tmp_path / "SHA256SUMS").unlink(missing_ok=True)  # rewritten by hand: as another tool writes it
     with pytest.warns(UserWarning, match="skipped 2 .*mm_projector, vision_tower"):
-        loaded = K3ForCausalLM.from_pretrained(tmp_path)
+        loaded = load_pretrained(tmp_path)
     x = torch.randint(0, 256, (1, 10))
     torch.testing.assert_close(_logits(loaded, x), _logits(model, x))
     assert loaded.config.to_hf()["vision_config"] == {"patch_size": 14}  # the wrapper's keys are carried

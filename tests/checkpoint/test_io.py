@@ -5,8 +5,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from k3 import K3Config, K3ForCausalLM
-from k3.checkpoint import CheckpointError, load_pretrained, save_pretrained
+from k3.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from k3.checkpoint.io import read_hf_tensors
+from k3.pretrained import load_pretrained, save_pretrained
 from k3.quant import dequantize_mxfp4, quantize_mxfp4
 
 
@@ -30,6 +31,22 @@ def test_save_load_round_trip(tmp_path, model, shard):
     assert not [f for f in files if f.endswith(".tmp")]
     x = torch.randint(0, 1024, (2, 16))
     torch.testing.assert_close(logits(load_pretrained(tmp_path), x), logits(model, x))
+
+
+def test_checkpoint_io_is_state_dicts_only(tmp_path, model):
+    """k3.checkpoint writes and reads a state dict in our names (no model built): the tensors come back equal,
+    under the module tree's names, and a quantization_config is written only when one is given."""
+    state = model.state_dict()
+    write_checkpoint(tmp_path, state, model.config, max_shard_bytes=300_000)
+    assert "quantization_config" not in json.loads((tmp_path / "config.json").read_text())
+    back = read_checkpoint(tmp_path)
+    assert back.vision is False and back.skipped == [] and back.config == model.config
+    expected = {k: v for k, v in state.items() if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
+    assert sorted(back.state) == sorted(expected)
+    for k, v in expected.items():
+        assert torch.equal(back.state[k], v.to(back.state[k].dtype)), k
+    write_checkpoint(tmp_path / "q", state, model.config, quantization_config={"format": "x"})
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"] == {"format": "x"}
 
 
 def test_official_weight_names(tmp_path, model):

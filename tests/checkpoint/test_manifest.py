@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from k3 import K3Config, K3ForCausalLM
-from k3.checkpoint import CheckpointError, load_pretrained, save_pretrained
+from k3.checkpoint import CheckpointError
+from k3.pretrained import load_pretrained, save_pretrained
 from k3.checkpoint.manifest import MANIFEST, read_checksums, verify_checksums
 
 

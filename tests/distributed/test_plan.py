@@ -86,7 +86,7 @@ def test_ep2_reproduces_the_single_process_loss_curve_and_saves_full_experts(tmp
     for a, b in zip(single, ep):
         assert abs(a["loss"] - b["loss"]) < LOSS_RTOL * a["loss"], (a, b)
         assert abs(a["load_max_over_mean"] - b["load_max_over_mean"]) <= LOAD_ATOL, (a, b)
-    from k3.checkpoint import load_pretrained
+    from k3.pretrained import load_pretrained
 
     full = load_pretrained(tmp_path / "ep" / "checkpoint")  # the experts were gathered back to [E, ...]
     assert full.model.layers[1].block_sparse_moe.experts.w1.shape[0] == full.config.num_experts

@@ -56,7 +56,7 @@ def test_the_entry_point_names_the_model():
 
 def test_local_tasks_through_lm_eval(setup, monkeypatch, tmp_path):
     from k3 import K3Config, K3ForCausalLM
-    from k3.checkpoint import save_pretrained
+    from k3.pretrained import save_pretrained
     from k3.data.tokenizer import save_tokenizer, train_tokenizer
 
     from .test_scoring import TEXT
@@ -101,7 +101,7 @@ def test_local_tasks_through_lm_eval(setup, monkeypatch, tmp_path):
 
 def test_k3_eval_tasks(setup, tmp_path, capsys):
     from k3 import K3Config, K3ForCausalLM
-    from k3.checkpoint import save_pretrained
+    from k3.pretrained import save_pretrained
     from k3.data.tokenizer import save_tokenizer, train_tokenizer
 
     tok = train_tokenizer(["hello world, this is k3.\n" * 5], 300, min_frequency=1)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from k3 import K3Config, K3ForCausalLM
-from k3.checkpoint import save_pretrained
+from k3.pretrained import save_pretrained
 from k3.cli import main
 from k3.data.tokenizer import encode, eos_id, save_tokenizer, train_tokenizer
 from k3.eval import rolling_windows, score_sequences, score_text

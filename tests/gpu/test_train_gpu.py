@@ -128,7 +128,7 @@ def test_compiled_regions_match_eager():
     the fp32 step's (the reference KDA kernels, no autocast) as the bf16 eager step's is; the MoE model by its loss.
     (Two bf16 runs of this model differ by ~6% RMS per gradient at initialisation whatever is compiled, as each does
     from fp32: comparing them with each other says nothing finer.)"""
-    from k3.layers.regions import set_region_compiler
+    from k3.ops.regions import set_region_compiler
     from k3.train.compile import compile_model
 
     def rms_ratio(a, b):

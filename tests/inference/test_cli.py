@@ -10,9 +10,9 @@ import time
 import torch
 
 from k3 import K3Config, K3ForCausalLM
-from k3.checkpoint import save_pretrained
 from k3.cli import chat, main
 from k3.data.tokenizer import save_tokenizer, train_tokenizer
+from k3.pretrained import load_pretrained, save_pretrained
 
 
 def make_checkpoint(tmp_path):
@@ -177,7 +177,7 @@ def test_generate_with_the_kimi_tokenizer(tmp_path, capsys):
     ck, tok = make_kimi_checkpoint(tmp_path)
     assert main(["generate", "--checkpoint", str(ck), "--prompt", "hello world", "--max-tokens", "4",
                  "--temperature", "0"]) == 0
-    model = K3ForCausalLM.from_pretrained(ck).eval()
+    model = load_pretrained(ck).eval()
     ids = tok.encode("hello world").ids
     for _ in range(4):  # greedy by full recompute
         with torch.no_grad():
@@ -192,7 +192,8 @@ def test_chat_and_serve_use_the_checkpoints_chat_format(tmp_path):
     from starlette.testclient import TestClient
 
     from k3.cli.chat import reply
-    from k3.cli.generate import load_for_inference, make_engine
+    from k3.cli.generate import make_engine
+    from k3.inference.load import load_for_inference
     from k3.inference.api import SamplingParams
     from k3.serve import create_app
     from k3.chat.xtml import KimiK3Chat

@@ -8,12 +8,19 @@ import torch
 
 from k3.config import K3Config
 from k3.data import save_tokenizer
+from k3.distributed.plan import ParallelDims, ParallelPlan
 from k3.model.transformer import K3ForCausalLM
 from k3.post.rl import RLConfig, rl_train
+from k3.pretrained import save_pretrained
 from k3.train.loop import TrainConfig
 from k3.train.metrics import read_metrics
 
 TIMING = ("rollout_s", "step_s", "tokens_per_s")
+
+
+def rl_train_one(cfg, **kw):
+    """``rl_train`` under the one-process plan that ``k3 rl`` builds."""
+    return rl_train(cfg, ParallelPlan(ParallelDims(), cfg.train.device), **kw)
 
 
 @pytest.fixture
@@ -21,7 +28,7 @@ def sft_ckpt(tmp_path, chat_tokenizer):
     torch.manual_seed(0)
     model = K3ForCausalLM(K3Config.preset("tiny").replace(vocab_size=chat_tokenizer.get_vocab_size()))
     d = tmp_path / "sft"
-    model.save_pretrained(d)
+    save_pretrained(model, d)
     save_tokenizer(chat_tokenizer, d / "tokenizer.json")
     return d
 
@@ -35,10 +42,10 @@ def config(tmp_path, ckpt, name, **kw):
 
 def test_resumed_rl_equals_the_uninterrupted_run(tmp_path, sft_ckpt):
     straight = config(tmp_path, sft_ckpt, "a")
-    rl_train(straight, log=lambda *a: None)
+    rl_train_one(straight, log=lambda *a: None)
     cut = config(tmp_path, sft_ckpt, "b", train={"stop_after": 1})
-    rl_train(cut, log=lambda *a: None)
-    rl_train(config(tmp_path, sft_ckpt, "b"), log=lambda *a: None)
+    rl_train_one(cut, log=lambda *a: None)
+    rl_train_one(config(tmp_path, sft_ckpt, "b"), log=lambda *a: None)
     a, b = read_metrics(straight.train.out), read_metrics(cut.train.out)
     assert [r["step"] for r in a] == [1, 2, 3] == [r["step"] for r in b]
     strip = lambda r: {k: v for k, v in r.items() if k not in TIMING}  # noqa: E731
@@ -51,12 +58,12 @@ def test_resumed_rl_equals_the_uninterrupted_run(tmp_path, sft_ckpt):
 def test_mopd_with_the_student_as_teacher_has_zero_reward(tmp_path, sft_ckpt):
     cfg = config(tmp_path, sft_ckpt, "d", train={"steps": 1}, chunk=None,
                  teachers={f"{t}:{e}": str(sft_ckpt) for t in ("arithmetic", "sorting") for e in ("low", "max")})
-    rl_train(cfg, log=lambda *a: None)
+    rl_train_one(cfg, log=lambda *a: None)
     [rec] = read_metrics(cfg.train.out)
     assert abs(rec["reward"]) < 1e-4  # log pi_T - log pi_S = 0 token by token: the engine's log-probs line up
     assert rec["grad_norm"] < 1e-3
     with pytest.raises(ValueError, match="no teacher for arithmetic:max, sorting:low, sorting:max"):
-        rl_train(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out=str(tmp_path / "e")),
+        rl_train_one(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out=str(tmp_path / "e")),
                                      teachers={"arithmetic:low": str(sft_ckpt)}), log=lambda *a: None)
 
 
@@ -64,7 +71,7 @@ def test_rl_metrics_plot(tmp_path, sft_ckpt):
     from k3.cli.plot import plot_run
 
     cfg = config(tmp_path, sft_ckpt, "p", train={"steps": 2}, chunk=None)
-    rl_train(cfg, log=lambda *a: None)
+    rl_train_one(cfg, log=lambda *a: None)
     assert sorted(p.name for p in plot_run(cfg.train.out)) == ["load.png", "loss.png", "rl.png"]
 
 
@@ -82,7 +89,7 @@ def stopping_ckpt(tmp_path, chat_tokenizer):
         model.model.norm.weight.zero_()
         model.model.norm.weight[0] = 1.0
     d = tmp_path / "stopping"
-    model.save_pretrained(d)
+    save_pretrained(model, d)
     save_tokenizer(chat_tokenizer, d / "tokenizer.json")
     return d
 
@@ -91,13 +98,13 @@ def test_partial_rollout_carries_replies_across_steps_and_resumes(tmp_path, stop
     kw = {"tasks": ("arithmetic",), "efforts": ("max",), "samples": 3, "prompts": 3, "max_tokens": 40, "chunk": 3,
           "train": {"steps": 4}}
     a = config(tmp_path, stopping_ckpt, "ca", **kw)
-    rl_train(a, log=lambda *x: None)
+    rl_train_one(a, log=lambda *x: None)
     recs = read_metrics(a.train.out)
     assert any(r["carried"] > 0 for r in recs[:-1])  # unfinished replies crossed a step boundary ...
     assert any(r["staleness"] > 0 for r in recs)  # ... and were trained on with tokens of an older policy
     b = config(tmp_path, stopping_ckpt, "cb", **{**kw, "train": {"steps": 4, "stop_after": 2}})
-    rl_train(b, log=lambda *x: None)
-    rl_train(config(tmp_path, stopping_ckpt, "cb", **kw), log=lambda *x: None)  # resumes with the carried replies
+    rl_train_one(b, log=lambda *x: None)
+    rl_train_one(config(tmp_path, stopping_ckpt, "cb", **kw), log=lambda *x: None)  # resumes with the carried replies
     strip = lambda r: {k: v for k, v in r.items() if k not in TIMING}  # noqa: E731
     assert [strip(r) for r in recs] == [strip(r) for r in read_metrics(b.train.out)]
 
@@ -133,7 +140,7 @@ def test_partial_rollout_without_reencoding_carries_live_requests(tmp_path, stop
     cfg = config(tmp_path, stopping_ckpt, "k", reencode=False, **kw)
     rollout_mod.Engine.submit = counting
     try:
-        rl_train(cfg, log=lambda *x: None)
+        rl_train_one(cfg, log=lambda *x: None)
     finally:
         rollout_mod.Engine.submit = real
     recs = read_metrics(cfg.train.out)

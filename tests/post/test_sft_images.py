@@ -19,6 +19,7 @@ from k3.post.format import ChatFormat
 from k3.post.sft_data import encode_conversation, load_conversations, prepare
 from k3.post.sft_images import ImagePackedDataset, ImagePrompt
 from k3.chat import ChatTemplate
+from k3.pretrained import load_pretrained, save_pretrained
 from k3.serve.images import chat_prompt
 from k3.train.loop import TrainConfig, train
 from k3.train.metrics import read_metrics
@@ -183,7 +184,7 @@ def test_a_tiny_run_trains_the_tower_saves_the_multimodal_layout_and_resumes(tmp
     recs = read_metrics(cfg.out)
     assert sum(r["loss"] for r in recs[-3:]) / 3 < 0.7 * recs[0]["loss"], [r["loss"] for r in recs]
     ckpt = tmp_path / "straight" / "checkpoint"
-    trained = K3ForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32)
+    trained = load_pretrained(ckpt, dtype=torch.float32, vision=True)
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
         names = list(f.keys())
     assert {n.split(".")[0] for n in names} == {"language_model", "vision_tower", "mm_projector"}
@@ -245,7 +246,7 @@ def test_which_model_image_data_trains(tmp_path, jsonl, tok):
     """A text checkpoint gets a new tower only when --vision asks for one; a multimodal one brings its own."""
     plan = ParallelPlan(ParallelDims(), "cpu")
     text = tmp_path / "text"
-    K3ForCausalLM(K3Config.preset("tiny").replace(vocab_size=tok.get_vocab_size())).save_pretrained(text)
+    save_pretrained(K3ForCausalLM(K3Config.preset("tiny").replace(vocab_size=tok.get_vocab_size())), text)
     save_tokenizer(tok, text / "tokenizer.json")
     (tmp_path / "r").mkdir()
     no_tower = dataclasses.replace(SFT, out=str(tmp_path / "r"), data=str(jsonl), init_from=str(text), vision=None)
@@ -254,12 +255,12 @@ def test_which_model_image_data_trains(tmp_path, jsonl, tok):
         prepare(no_tower, tmp_path / "r", None, plan)
     cfg, _ = sft(tmp_path, jsonl, "grown", init_from=str(text), steps=2)
     mm = tmp_path / "grown" / "checkpoint"
-    assert K3ForConditionalGeneration.from_pretrained(mm).vision_config == TINY
+    assert load_pretrained(mm, vision=True).vision_config == TINY
     with pytest.raises(ValueError, match="already has a vision tower.*drop --vision"):
         prepare(dataclasses.replace(cfg, init_from=str(mm)), tmp_path / "r", None, plan)
     sft(tmp_path, jsonl, "again", init_from=str(mm), vision=None, steps=2)  # fine-tunes the tower it has
     ckpt = tmp_path / "again" / "checkpoint"
-    assert K3ForConditionalGeneration.from_pretrained(ckpt).media_placeholder_token_id == tok.token_to_id(MEDIA_PAD)
+    assert load_pretrained(ckpt, vision=True).media_placeholder_token_id == tok.token_to_id(MEDIA_PAD)
     plain = train_tokenizer(["Colour? red green blue"] * 20, 300)  # k3 train's: no image placeholder token
     save_tokenizer(plain, text / "tokenizer.json")
     with pytest.raises(ValueError, match=r"--vision tiny: the tokenizer of --init-from .* has no <\|media_pad\|>"):

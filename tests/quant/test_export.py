@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from k3 import K3Config, K3ForCausalLM
-from k3.checkpoint import load_pretrained, save_pretrained, to_hf_state_dict
+from k3.checkpoint import to_hf_state_dict
+from k3.pretrained import load_pretrained, save_pretrained
 from k3.ops.mx import dequantize_mxfp4, quantize_mxfp4
 from k3.quant import PackedExpertBank
 

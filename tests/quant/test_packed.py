@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from k3 import K3Config, K3ForCausalLM
-from k3.checkpoint import load_pretrained, save_pretrained
+from k3.pretrained import load_pretrained, save_pretrained
 from k3.cli import main
 from k3.data.tokenizer import save_tokenizer, train_tokenizer
 from k3.layers.width.latent_moe import ExpertBank

@@ -9,6 +9,7 @@ import torch
 
 from k3.cli import main
 from k3.config import K3Config
+from k3.distributed.plan import ParallelDims, ParallelPlan
 from k3.layers.width.latent_moe import ExpertBank, LatentMoE
 from k3.model.transformer import K3ForCausalLM
 from k3.ops.mx import (E2M1, dequantize_mxfp4, dequantize_mxfp8, fake_quant_mxfp8, mx_round, quantize_mxfp4,
@@ -102,7 +103,7 @@ BASE = TrainConfig(out="", preset="tiny", data_max_bytes=300_000, tokenizer_byte
 
 def _run(out, **kw):
     cfg = dataclasses.replace(BASE, out=str(out), **kw)
-    train(cfg, log=lambda *a: None)
+    train(cfg, ParallelPlan(ParallelDims(), "cpu"), log=lambda *a: None)
     return read_metrics(cfg.out)
 
 

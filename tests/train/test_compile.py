@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from k3.config import K3Config, hybrid_layers
-from k3.layers.regions import set_region_compiler
+from k3.ops.regions import set_region_compiler
 from k3.model.transformer import K3ForCausalLM
 from k3.train.compile import compile_model, compiled_regions
 from tests.conftest import assert_close

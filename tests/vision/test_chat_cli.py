@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from k3 import K3Config, K3ForCausalLM
-from k3.checkpoint import save_pretrained
+from k3.pretrained import save_pretrained
 from k3.cli import build_parser, chat, main
-from k3.cli.generate import load_for_inference
+from k3.inference.load import load_for_inference
 from k3.data.tokenizer import save_tokenizer, train_tokenizer
 from k3.vision import K3ForConditionalGeneration, VisionConfig
 from tests.vision.images import CORRUPT, greedy_reply, png

@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from k3 import K3Config, K3ForCausalLM
-from k3.checkpoint import CheckpointError, load_pretrained, save_pretrained
+from k3.checkpoint import CheckpointError
+from k3.pretrained import load_pretrained, save_pretrained
 from k3.vision import K3ForConditionalGeneration, VisionConfig
 
 GRIDS = [(4, 6), (2, 2)]
@@ -37,7 +38,7 @@ def _logits(m, ids, pixels):
 
 
 def test_round_trip_in_the_release_layout(tmp_path, model):
-    model.save_pretrained(tmp_path)
+    save_pretrained(model, tmp_path)
     names = set(load_file(tmp_path / "model.safetensors"))
     for name in ("language_model.model.embed_tokens.weight", "language_model.lm_head.weight",
                  "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight",
@@ -50,23 +51,32 @@ def test_round_trip_in_the_release_layout(tmp_path, model):
     assert cfg["model_type"] == "kimi_k3" and cfg["architectures"] == ["KimiK3ForConditionalGeneration"]
     assert cfg["media_placeholder_token_id"] == 3
     assert cfg["vision_config"]["qkv_hidden_size"] == 64 and cfg["vision_config"]["norm_type"] == "rmsnorm"
-    back = K3ForConditionalGeneration.from_pretrained(tmp_path).eval()
+    back = load_pretrained(tmp_path, vision=True).eval()
     assert back.vision_config == model.vision_config
     ids, pixels = _inputs()
     torch.testing.assert_close(_logits(back, ids, pixels), _logits(model, ids, pixels), rtol=0, atol=0)
 
 
+def test_the_loader_builds_the_class_the_config_describes(tmp_path, model):
+    """``vision=None`` (what ``load_for_inference`` asks): a multimodal config.json gives K3ForConditionalGeneration,
+    a text one K3ForCausalLM."""
+    save_pretrained(model, tmp_path / "mm")
+    save_pretrained(K3ForCausalLM(K3Config.preset("tiny")), tmp_path / "text")
+    assert type(load_pretrained(tmp_path / "mm", vision=None)) is K3ForConditionalGeneration
+    assert type(load_pretrained(tmp_path / "text", vision=None)) is K3ForCausalLM
+
+
 def test_text_model_alone_loads_from_the_multimodal_checkpoint(tmp_path, model):
-    model.save_pretrained(tmp_path)
+    save_pretrained(model, tmp_path)
     with pytest.warns(UserWarning, match="skipped 18 tensor\\(s\\) .*mm_projector, vision_tower"):
-        text = K3ForCausalLM.from_pretrained(tmp_path)
+        text = load_pretrained(tmp_path)
     ids = torch.randint(10, 100, (1, 9))
     with torch.no_grad():
         torch.testing.assert_close(text(ids).logits, model.language_model(ids).logits, rtol=0, atol=0)
 
 
 def test_projector_aliases_load(tmp_path, model):
-    model.save_pretrained(tmp_path)
+    save_pretrained(model, tmp_path)
     t = load_file(tmp_path / "model.safetensors")
     renamed = {n.replace("mm_projector.", "multi_modal_projector.").replace("proj.0.", "linear_1.")
                .replace("proj.2.", "linear_2."): v for n, v in t.items()}
@@ -79,7 +89,7 @@ def test_projector_aliases_load(tmp_path, model):
 def test_vision_load_of_a_text_checkpoint_says_why(tmp_path):
     save_pretrained(K3ForCausalLM(K3Config.preset("tiny")), tmp_path)
     with pytest.raises(CheckpointError, match="no vision_config: a text-only checkpoint"):
-        K3ForConditionalGeneration.from_pretrained(tmp_path)
+        load_pretrained(tmp_path, vision=True)
 
 
 def test_packed_experts_beside_the_vision_tower(tmp_path, model):

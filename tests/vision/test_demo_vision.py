@@ -9,7 +9,8 @@ import torch
 
 from k3.cli import main
 from k3.cli.demo_vision import SceneTask, answer_stats
-from k3.vision import K3ForConditionalGeneration, VisionConfig
+from k3.pretrained import load_pretrained
+from k3.vision import VisionConfig
 from k3.vision.shapes import COLOURS, HEIGHT, WIDTH, Scene, render
 
 
@@ -38,7 +39,7 @@ def test_a_short_run_reads_the_image(tmp_path, capsys):
     assert r["accuracy_image"] > max(0.5, r["accuracy_shuffled"] + 0.3), r  # chance (and the prior): 25%
     printed = capsys.readouterr().out
     assert f"{r['val_loss_image']:.3f} with the image, {r['val_loss_shuffled']:.3f} with a shuffled image" in printed
-    model = K3ForConditionalGeneration.from_pretrained(out)  # what `k3 chat --image` loads
+    model = load_pretrained(out, vision=True)  # what `k3 chat --image` loads
     task = SceneTask(VisionConfig.preset("tiny"))
     rng = random.Random(123)
     scenes = [task._scene(rng) for _ in range(24)]
@@ -58,5 +59,5 @@ def test_the_sft_variant_writes_chat_data_with_images_and_scores_it(tmp_path, ca
     r = json.loads((out / "results.json").read_text())
     assert r["via"] == "k3 sft" and r["val_questions"] == 12 and r["train_scenes"] == 24
     assert f"{r['val_loss_image']:.3f} with the image" in capsys.readouterr().out
-    assert K3ForConditionalGeneration.from_pretrained(out / "sft" / "checkpoint").vision_config == \
+    assert load_pretrained(out / "sft" / "checkpoint", vision=True).vision_config == \
         VisionConfig.preset("tiny")

@@ -9,6 +9,7 @@ import torch
 
 from k3 import K3Config
 from k3.cli import main
+from k3.pretrained import save_pretrained
 from k3.vision import K3ForConditionalGeneration, VisionConfig
 from k3.vision.model import count_vision_parameters
 
@@ -16,7 +17,7 @@ from k3.vision.model import count_vision_parameters
 def test_params_counts_the_vision_rows_of_a_multimodal_config(tmp_path, capsys):
     cfg = K3Config.preset("tiny")
     model = K3ForConditionalGeneration(cfg, VisionConfig.preset("tiny"), media_placeholder_token_id=3)
-    model.save_pretrained(tmp_path)
+    save_pretrained(model, tmp_path)
     assert main(["params", "--config", str(tmp_path), "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     tower = sum(p.numel() for p in model.vision_tower.parameters())

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from k3.vision import K3ForConditionalGeneration
+from k3.pretrained import load_pretrained
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Kimi_K25ForConditionalGeneration"):
@@ -79,7 +79,7 @@ def pair(tmp_path_factory):
     tensors |= _release_vision(hf.state_dict(), VISION["num_attention_heads"])
     save_file({k: v.contiguous() for k, v in tensors.items()}, d / "model.safetensors")
     (d / "config.json").write_text(cfg.to_json_string(use_diff=True))  # transformers' K2.5 config.json
-    return hf, K3ForConditionalGeneration.from_pretrained(d).eval()
+    return hf, load_pretrained(d, vision=True).eval()
 
 
 def _images(seed=1):

@@ -15,8 +15,8 @@ from torch import nn
 
 from ...ops.attn_res import (SourceGrad, attn_res_add_mix_norm, attn_res_mix_norm, kernel_applies, seal_source,
                              uses_kernel)
+from ...ops.regions import region
 from ..norm import RMSNorm
-from ..regions import region
 
 
 class PseudoQuery(nn.Module):
@@ -95,7 +95,7 @@ class DepthStream:
             self.partial, self.pending = self.partial + self.pending, None
 
     def _mix(self, query: PseudoQuery, sources: list[torch.Tensor], norm: nn.Module | None = None) -> torch.Tensor:
-        """The "attn_res" region (k3.layers.regions): the mix and the sub-layer's pre-norm. Its inputs are the
+        """The "attn_res" region (k3.ops.regions): the mix and the sub-layer's pre-norm. Its inputs are the
         sources themselves (blocks built once, at their boundary, and shared by every later read; the partial sum is
         the residual stream), so a policy that recomputes it keeps nothing of its own: a layer then saves exactly
         what a plain residual layer saves (tests/train/test_memory.py)."""

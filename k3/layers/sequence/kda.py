@@ -18,9 +18,9 @@ from ...config import K3Config
 from ...ops import kda as kda_ops
 from ...ops.norms import gated_rms_norm, l2_norm
 from ...ops.proj_decode import KDA_ROWS, kda_output_decode, kda_output_width, proj_decode_applies
+from ...ops.regions import region
 from ...ops.short_conv import short_conv
 from ..fuse import fuse_linears, stacked_linear, use_fused
-from ..regions import region
 
 
 @dataclass

@@ -25,10 +25,10 @@ from ...config import K3Config
 from ...ops._triton import triton_available
 from ...ops.max_logit import causal_max_logit
 from ...ops.precision import compute_dtype
+from ...ops.regions import region
 from ...ops.varlen import GROUP_OVERHEAD, cached_plan, document_starts, grouped_documents
 from ..fuse import fuse_linears, stacked_linear, use_fused
 from ..norm import RMSNorm
-from ..regions import region
 from .rope import rope_frequencies, rotary, softmax_scale
 
 

@@ -20,11 +20,11 @@ from ...ops.grouped_mm import grouped_mm
 from ...ops.moe_decode import decode_applies, expert_decode
 from ...ops.proj_decode import MOE_ROWS, moe_output_decode, moe_output_width, proj_decode_applies
 from ...ops.mx import fake_quant_mxfp4, fake_quant_mxfp8
+from ...ops.regions import region
 from ...ops.routing import bincount, combine_rows, dispatch_rows, inverse_permutation
 from ...ops.situ import glu
 from ..fuse import fuse_linears, use_fused
 from ..norm import RMSNorm
-from ..regions import region
 from .mlp import GatedMLP
 from .router import Router
 

@@ -10,7 +10,9 @@ Regions: "attn_res" (an AttnRes mix over the depth sources, k3.layers.depth), "m
 dispatch, expert matmuls and combine, k3.layers.width.latent_moe), "kda_activations" (KDA's L2 norms of q and k,
 its forget gate and beta, between the short convs and the recurrence, k3.layers.sequence.kda), "mla_output" (MLA's
 sigmoid output gate on the attention output, k3.layers.sequence.mla), "lm_loss" (the LM head and cross-entropy of one
-chunk of tokens in a training loss, k3.model.transformer).
+chunk of tokens in a training loss, k3.ops.linear_ce via k3.model.transformer).
+
+The registry sits in ops, the lowest layer, because an op (``linear_ce``) marks a region as well as the layers do.
 """
 
 from __future__ import annotations

@@ -79,18 +79,21 @@ def read_image(source: bytes | str | Path, *, max_pixels: int = MAX_PIXELS, name
         raise ImageError(f"{name} is empty (0 bytes); send the bytes of a PNG, JPEG, GIF, WebP or BMP image")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit, below, decides
+        buffer = io.BytesIO(data)
         try:
-            im = Image.open(io.BytesIO(data))
+            im = Image.open(buffer)
         except Image.DecompressionBombError as e:
-            raise ImageError(f"{name} is too large to decode ({e}); downscale it to at most "
+            raise ImageError(f"{name} is too large to decode ({_detail(e, buffer)}); downscale it to at most "
                              f"{max_pixels / 1e6:g} megapixels") from None
         except (UnidentifiedImageError, OSError) as e:
             size = _png_size(data)
             if size is not None and 0 in size:
                 raise ImageError(f"{name} has zero size ({size[0]} x {size[1]} pixels); send an image with pixels in "
                                  "it") from None
-            raise ImageError(f"{name} is not an image k3 can read ({e}); send PNG, JPEG, GIF, WebP or BMP bytes") \
-                from None
+            why = (f"no image format begins with the bytes {data[:8].hex(' ')}" if isinstance(e, UnidentifiedImageError)
+                   else _detail(e, buffer))
+            raise ImageError(f"{name} is not an image k3 can read ({len(data)} bytes; {why}); send PNG, JPEG, GIF, "
+                             "WebP or BMP bytes") from None
     w, h = im.size
     if w == 0 or h == 0:
         raise ImageError(f"{name} has zero size ({w} x {h} pixels); send an image with pixels in it")
@@ -102,7 +105,13 @@ def read_image(source: bytes | str | Path, *, max_pixels: int = MAX_PIXELS, name
         im.load()
         return im.convert("RGB")
     except (OSError, ValueError, SyntaxError) as e:  # truncated or corrupt pixel data
-        raise ImageError(f"{name} could not be decoded: its data is truncated or corrupt ({e})") from None
+        raise ImageError(f"{name} could not be decoded: its data is truncated or corrupt "
+                         f"({_detail(e, buffer)})") from None
+
+
+def _detail(e: Exception, buffer: io.BytesIO) -> str:
+    """Pillow's message without the repr of the in-memory file it read (``<_io.BytesIO object at 0x...>``)."""
+    return str(e).replace(f" {buffer!r}", "").replace(repr(buffer), "the image") or type(e).__name__
 
 
 def fit_size(height: int, width: int, cfg: VisionConfig, max_patches: int = MAX_PATCHES,

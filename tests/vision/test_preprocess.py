@@ -68,8 +68,12 @@ def test_large_image_is_fitted_to_the_budget():
     (png(64, 64)[:-40], "could not be decoded|not an image"),
 ])
 def test_bad_images_are_refused_with_what_was_wrong(data, match):
-    with pytest.raises(ImageError, match=match):
+    with pytest.raises(ImageError, match=match) as e:
         read_image(data, name="the test image")
+    assert str(e.value).startswith("the test image ") and "BytesIO" not in str(e.value) \
+        and "object at 0x" not in str(e.value)
+    if data is CORRUPT:  # what the bytes are instead: their count and first bytes
+        assert f"{len(CORRUPT)} bytes" in str(e.value) and CORRUPT[:8].hex(" ") in str(e.value)
 
 
 def test_missing_file_names_the_path(tmp_path):

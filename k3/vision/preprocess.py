@@ -47,11 +47,13 @@ class ImageError(ValueError):
 
 @dataclass(frozen=True)
 class ImageInput:
-    """One preprocessed image: ``pixels`` [h*w, 3, p, p] fp32, ``grid`` (h, w) in patches, ``digest`` (16 bytes)."""
+    """One preprocessed image: ``pixels`` [h*w, 3, p, p] fp32, ``grid`` (h, w) in patches, ``digest`` (16 bytes),
+    ``resized_from``: its size before it was shrunk to the patch budget (None when it was not)."""
 
     pixels: torch.Tensor
     grid: tuple[int, int]
     digest: bytes
+    resized_from: tuple[int, int] | None = None  # (H, W) pixels before ``fit_size`` shrank it; None: not shrunk
 
     def tokens(self, cfg: VisionConfig) -> int:
         """Placeholder tokens it takes in the prompt (h*w / 4)."""
@@ -90,8 +92,8 @@ def read_image(source: bytes | str | Path, *, max_pixels: int = MAX_PIXELS, name
             if size is not None and 0 in size:
                 raise ImageError(f"{name} has zero size ({size[0]} x {size[1]} pixels); send an image with pixels in "
                                  "it") from None
-            why = (f"no image format begins with the bytes {data[:8].hex(' ')}" if isinstance(e, UnidentifiedImageError)
-                   else _detail(e, buffer))
+            why = (f"Pillow recognises no image format in them; they begin {data[:8].hex(' ')}"
+                   if isinstance(e, UnidentifiedImageError) else _detail(e, buffer))
             raise ImageError(f"{name} is not an image k3 can read ({len(data)} bytes; {why}); send PNG, JPEG, GIF, "
                              "WebP or BMP bytes") from None
     w, h = im.size
@@ -152,7 +154,7 @@ def preprocess(image, cfg: VisionConfig, max_patches: int = MAX_PATCHES) -> Imag
     gh, gw = ph // p, pw // p
     pixels = x.view(3, gh, p, gw, p).permute(1, 3, 0, 2, 4).reshape(gh * gw, 3, p, p).contiguous()
     digest = hashlib.blake2b(struct.pack("<qqqq", h, w, gh, gw) + rgb, digest_size=16).digest()
-    return ImageInput(pixels, (gh, gw), digest)
+    return ImageInput(pixels, (gh, gw), digest, (H, W) if (h, w) != (H, W) else None)
 
 
 def load_image(source: bytes | str | Path, cfg: VisionConfig, *, max_pixels: int = MAX_PIXELS,

@@ -30,7 +30,7 @@ def test_fit_keeps_aspect_respects_budget_pads_to_28(size):
 def test_small_images_are_not_resized_only_padded():
     im = load_image(png(40, 30), V2)
     assert im.grid == (4, 4) and im.pixels.shape == (16, 3, 14, 14)  # 30 x 40 -> padded 56 x 56
-    assert im.tokens(V2) == 4
+    assert im.tokens(V2) == 4 and im.resized_from is None
 
 
 def test_patches_are_the_image_row_major_normalised():
@@ -57,6 +57,7 @@ def test_large_image_is_fitted_to_the_budget():
     im = load_image(png(3000, 2000), V2, max_patches=1024)
     h, w = im.grid
     assert h * w <= 1024 and h % 2 == 0 and w % 2 == 0 and abs(w / h - 1.5) < 0.1
+    assert im.resized_from == (2000, 3000)  # said, so a server can report it (k3.serve.images logs it)
 
 
 @pytest.mark.parametrize("data, match", [

@@ -99,3 +99,15 @@ def test_a_text_only_model_refuses_images_and_still_answers_text(served):
         ask(text_only, image(data_url(png())))
     assert e.value.body["code"] == "unsupported_content"
     assert ask(text_only, [{"role": "user", "content": "hi"}], max_tokens=1).choices[0].finish_reason
+
+
+def test_an_image_over_the_patch_budget_is_shrunk_and_the_server_says_so(tok, caplog):
+    from types import SimpleNamespace
+
+    from k3.serve.images import chat_prompt
+
+    engine = SimpleNamespace(tokenizer=tok, vision=(TINY, tok.token_to_id("<|media_pad|>")))
+    with caplog.at_level("WARNING", logger="k3.serve"):
+        _, _, (im,) = chat_prompt(engine, ChatTemplate(), image(data_url(png(2000, 2000))))
+    assert im.grid == (128, 128)  # 16384 patches: 2000 x 2000 -> 1792 x 1792
+    assert "2000 x 2000 pixels shrunk to fit 128 x 128 patches" in caplog.text

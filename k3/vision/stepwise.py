@@ -29,7 +29,7 @@ import torch
 from .attention import attend_rows
 from .tower import MoonViT, merge_patches, rope_2d
 
-__all__ = ["encode_in_pieces", "image_flops"]
+__all__ = ["encode_in_pieces"]
 
 
 def _costs(tower: MoonViT, projector, T: int) -> dict[str, float]:
@@ -38,14 +38,6 @@ def _costs(tower: MoonViT, projector, T: int) -> dict[str, float]:
     E = projector.proj[2].out_features
     return {"embed": 2 * 3 * c.patch_size ** 2 * D, "qkv": 2 * D * 3 * A, "attend": 4 * T * A + 2 * A * D + 4 * D * I,
             "project": 2 * MD * (MD + E)}
-
-
-def image_flops(tower: MoonViT, projector, grid: tuple[int, int]) -> float:
-    """The FLOPs of one image of ``grid`` patches through the tower and the projector (the table above)."""
-    T = grid[0] * grid[1]
-    f = _costs(tower, projector, T)
-    layers = tower.config.vt_num_hidden_layers
-    return T * (f["embed"] + layers * (f["qkv"] + f["attend"])) + T // tower.config.merge * f["project"]
 
 
 def _rows(total: int, per_row: float, piece_flops: float) -> int:

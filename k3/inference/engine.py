@@ -5,7 +5,9 @@
 - ``ModelRunner`` (runner.py): device buffers, the forward, CUDA graphs, sampling; the only device-aware part;
 - ``OutputProcessor`` (output.py): detokenisation, stop strings, events.
 Each ``step()``: plan = scheduler.schedule(); runner.launch(plan); the output processor turns the sampled tokens
-into events and says which requests are complete; scheduler.update(plan). With asynchronous scheduling (on by
+into events and says which requests are complete; scheduler.update(plan). Before it, images waiting to be
+prefilled go a bounded number of FLOPs further through the vision tower (a prompt's prefill waits at an image until
+its features are ready, while the other sequences run). With asynchronous scheduling (on by
 default on CUDA, as in vLLM v1) the results read in a step are the PREVIOUS step's: the host plans and launches
 step n+1 while the device still runs step n, and a sequence's next decode takes its token from the device. A
 sequence that step n finishes has run one step too many (its extra token is dropped, its pages freed). ``submit`` + ``start``
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.params import count_parameters
 from .api import FinishEvent, GenerationRequest, SamplingParams
 from .output import OutputProcessor, RequestHandle
 from .pool import HostPool, PageLayout, PagePool
@@ -31,6 +34,7 @@ __all__ = ["Engine", "EngineConfig", "EngineFailed", "RequestHandle"]
 
 
 DECODE_PROMPT_TOKENS = 16  # under CUDA graphs a decode step is ~1 ms, an eager prefill forward ~40-80 ms of host work
+MIN_IMAGE_STEP_FLOPS = 4e9  # a tiny text model's chunk costs less than a step's fixed host work: tens of ms on a CPU
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,10 @@ class EngineConfig:
     # a prompt remainder of at most this many tokens (a short prompt, the tokens after a prefix hit) is fed one token
     # per step through the decode path instead of an eager prefill forward; default: 16 with CUDA graphs, else 0
     decode_prompt_tokens: int | None = None
+    # the most vision-tower FLOPs one step spends encoding images (the tower runs in pieces between steps, so a large
+    # image does not hold the other sequences back for the whole tower); default: what one prefill chunk of the text
+    # model costs (2 x active parameters x prefill_chunk), at least MIN_IMAGE_STEP_FLOPS
+    image_step_flops: float | None = None
 
     def __post_init__(self):
         for name in ("num_pages", "page_tokens", "hash_block", "checkpoint_every", "prefill_chunk", "step_tokens",
@@ -63,6 +71,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.decode_prompt_tokens is not None and self.decode_prompt_tokens < 0:
             raise ValueError(f"EngineConfig.decode_prompt_tokens must be >= 0, got {self.decode_prompt_tokens}")
+        if self.image_step_flops is not None and not self.image_step_flops > 0:
+            raise ValueError(f"EngineConfig.image_step_flops must be > 0, got {self.image_step_flops}")
         if self.host_pages < 0:
             raise ValueError(f"EngineConfig.host_pages must be >= 0, got {self.host_pages}")
         if not 0 < self.long_share <= 1:
@@ -102,7 +112,9 @@ class Engine:
         feed = (DECODE_PROMPT_TOKENS if self.runner.use_graphs else 0) if feed is None else feed
         self.scheduler = Scheduler(self.pool, self.prefix, SchedulerConfig(
             config.step_tokens, config.prefill_chunk, config.max_batch, config.long_prompt, config.long_share,
-            decode_prompt_tokens=feed), config.hash_block)
+            decode_prompt_tokens=feed), config.hash_block, image_ready=self.runner.images.ready)
+        self.image_step_flops = config.image_step_flops or max(
+            MIN_IMAGE_STEP_FLOPS, 2.0 * count_parameters(mc)["active"] * config.prefill_chunk)
         self.output = OutputProcessor(tokenizer, eos_id(tokenizer), self.max_context)
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
@@ -279,7 +291,12 @@ class Engine:
     @torch.no_grad()
     def step(self) -> None:
         """Plan and launch one step, deliver the tokens of the step before it (asynchronous scheduling) or of this
-        one, then advance the launched step's sequences."""
+        one, then advance the launched step's sequences. First, images waiting to be prefilled are encoded by at
+        most about ``image_step_flops`` (``ImageFeatures.encode``)."""
+        with self._lock:
+            images = self.scheduler.images_to_encode()
+        if images:
+            self.runner.images.encode(images, self.image_step_flops)
         with self._lock:
             for seq in [s for s in self.seqs.values() if s.aborted]:
                 self._finish(seq, "abort")

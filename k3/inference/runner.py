@@ -6,9 +6,8 @@ P max pages per sequence, V vocabulary, K reported alternatives.
 
 - Prefill: the plan's chunks of N sequences run as one packed row (``PrefillMixer``); logits only at the last
   token of sequences whose prompt is complete. A chunk holding image placeholder tokens (a model with a vision
-  tower: ``encode_images``) gets the image's features there instead of the placeholder's embedding; an image's
-  features are computed once, when its first placeholder is prefilled, and kept until its last one is (a chunk
-  boundary or a prefix-cache hit may fall inside an image).
+  tower: ``encode_image_pieces``) gets the image's features there instead of the placeholder's embedding
+  (``ImageFeatures``, k3.inference.images: encoded in bounded pieces between steps, before the image is scheduled).
 - Decode: one token per row (``DecodeMixer``: state and latents read and written in place). On CUDA with a
   bf16/fp16 model the forward and the sampler are captured as CUDA graphs per batch-size bucket (1, 2, 4, ...,
   256) over static buffers; a step copies its inputs into those buffers (three host-to-device copies), replays
@@ -25,6 +24,7 @@ import torch
 
 from ..ops.grouped_mm import fused_dtypes
 from ..ops.moe_decode import DECODE_ROWS
+from .images import ImageFeatures
 from .mixers import DecodeMixer, PrefillMixer, register_pool, release_pool
 from .pool import PagePool
 from .sampler import TOP_LOGPROBS, sample
@@ -85,7 +85,7 @@ class ModelRunner:
                  compile: bool | None = None, graph_sizes=GRAPH_SIZES):
         self.model, self.pool = model, pool
         self.lm = getattr(model, "language_model", model)  # the text model (K3ForConditionalGeneration wraps one)
-        self._image_features: dict[tuple[str, int], torch.Tensor] = {}  # (sequence, image start) -> [length, D]
+        self.images = ImageFeatures(model, pool.data.device)  # the prompts' image features (k3.inference.images)
         self.key = register_pool(pool)
         mc = model.config
         kinds = [mc.layer_kind(i) for i in range(mc.num_hidden_layers)]
@@ -187,36 +187,16 @@ class ModelRunner:
         kda = torch.tensor([it.kda_pages for it in items], dtype=torch.long).view(len(items), -1).to(dev)
         mixer = PrefillMixer(self.pool, self.kda_slot, self.mla_slot, cu.to(dev), starts, lengths, slots, context, kda,
                              positions.to(dev)[None])
-        embeds = self._embed_with_images(ids, items, cu) if any(it.images for it in items) else None
+        embeds = (self.images.embed(self.lm.model.embed_tokens(ids), items, cu.tolist())
+                  if any(it.images for it in items) else None)
         h = self.lm.model(ids, mixer=mixer, inputs_embeds=embeds)  # [1,T,D]
         last = torch.tensor([int(cu[i + 1]) - 1 for i, it in enumerate(items) if it.sample is not None],
                             dtype=torch.long, device=dev)
         return self.lm.lm_head(self.lm.model.norm(h[0, last])).float()
 
-    def _embed_with_images(self, ids: torch.Tensor, items: list[PrefillItem], cu: torch.Tensor) -> torch.Tensor:
-        """[1,T,D]: the token embeddings of the packed chunks, with image features at their placeholder tokens."""
-        x = self.lm.model.embed_tokens(ids)
-        for it, off in zip(items, cu.tolist()):
-            end = it.start + len(it.tokens)
-            for im in it.images:
-                key = (it.seq_id, im.start)
-                feats = self._image_features.get(key)
-                if feats is None:
-                    feats = self.model.encode_images(im.pixels.to(self.device), [im.grid])  # [length, D]
-                    if feats.shape[0] != im.length:
-                        raise ValueError(f"an image of {im.grid} patches gives {feats.shape[0]} tokens but its "
-                                         f"request reserved {im.length} placeholders")
-                    self._image_features[key] = feats
-                lo, hi = max(im.start, it.start), min(im.start + im.length, end)
-                x[0, off + lo - it.start: off + hi - it.start] = feats[lo - im.start: hi - im.start].to(x.dtype)
-                if hi == im.start + im.length:  # its last placeholder is done
-                    del self._image_features[key]
-        return x
-
     def release(self, seq_id: str) -> None:
         """Forget what is kept for a finished sequence (the features of an image it did not finish prefilling)."""
-        for key in [k for k in self._image_features if k[0] == seq_id]:
-            del self._image_features[key]
+        self.images.release(seq_id)
 
     def decode_logits(self, items: list[DecodeItem]) -> torch.Tensor:
         """The next-token logits [B,V] fp32 of one decode step (the pool's state advances by the items' tokens)."""

@@ -10,7 +10,9 @@ hold back a short request's first token (the report's per-class admission).
 Pages are allocated as a sequence grows. When the pool is full, the most recently admitted sequence is
 preempted: its pages are freed and it waits again, to be recomputed (its prefix may still be cached).
 A chunk ends where the prefix cache wants a KDA checkpoint: every ``checkpoint_every`` hash blocks and at the
-last full block of the prompt, so a repeated prompt hits at its last 512-token boundary.
+last full block of the prompt, so a repeated prompt hits at its last 512-token boundary. It also ends before an
+image whose features are not encoded yet (``image_ready``; the engine encodes ``images_to_encode`` a bounded amount
+per step), so the sequence waits there while the others run.
 
 ``update(plan, sampled)`` then advances the sequences, publishes their completed blocks and checkpoints to the
 prefix cache (each step hashes only the blocks it completed) and appends the sampled tokens.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .api import GenerationRequest, PromptImage
@@ -126,8 +129,10 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, prefix: PrefixCache | None, config: SchedulerConfig, hash_block: int):
+    def __init__(self, pool: PagePool, prefix: PrefixCache | None, config: SchedulerConfig, hash_block: int,
+                 image_ready: Callable[[str, PromptImage], bool] | None = None):
         self.pool, self.prefix, self.cfg, self.hash_block = pool, prefix, config, hash_block
+        self.image_ready = image_ready or (lambda seq_id, im: True)  # the runner's: its features are encoded
         self.L = pool.layout
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -186,7 +191,7 @@ class Scheduler:
             return budget - 1, long_budget - 1 if seq.long else long_budget
         # known tokens only: a preempted sequence's in-flight token joins it at the next step
         n = min(len(seq.tokens) - seq.num_computed, self.cfg.prefill_chunk, budget, long_budget if seq.long else budget)
-        n = min(n, self._next_snapshot(seq) - seq.num_computed)
+        n = min(n, self._next_snapshot(seq) - seq.num_computed, self._image_barrier(seq) - seq.num_computed)
         if n <= 0 or not self._grow(seq, n, out):
             return budget, long_budget
         done = n == seq.pending
@@ -202,6 +207,25 @@ class Scheduler:
         rest = len(seq.tokens) - seq.num_computed
         return (0 < rest <= self.cfg.decode_prompt_tokens and not seq.in_flight
                 and not any(im.start + im.length > seq.num_computed for im in seq.images))
+
+    def _image_barrier(self, seq: Sequence) -> int:
+        """Where this sequence's prefill must stop for now: the start of its first image not yet prefilled whose
+        features are not encoded yet (the engine encodes them a bounded amount per step), else the end."""
+        for im in seq.images:
+            if im.start + im.length > seq.num_computed and not self.image_ready(seq.id, im):
+                return im.start
+        return len(seq.tokens)
+
+    def images_to_encode(self) -> list[tuple[str, PromptImage]]:
+        """(sequence id, image) of the running sequences, earlier arrivals first: each one's first image not
+        prefilled yet whose features are not encoded yet (what holds, or will hold, its prefill back)."""
+        out = []
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            im = next((im for im in seq.images if im.start + im.length > seq.num_computed
+                       and not self.image_ready(seq.id, im)), None)
+            if im is not None:
+                out.append((seq.id, im))
+        return out
 
     def _next_snapshot(self, seq: Sequence) -> int:
         """The next token count after num_computed at which the prefix cache wants this sequence's KDA state."""

@@ -64,6 +64,20 @@ def _check_common(engine: Any, req: CompletionRequest | ChatRequest) -> None:
     req.check_supported()
 
 
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+def _unparsed_body(raw: bytes) -> tuple[str, str]:
+    """(message, code) for a request body FastAPI could not parse: bytes that are not UTF-8 (JSON is UTF-8 text),
+    or else JSON that would not decode."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return (f"the request body is not valid UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start} ({e.reason}); "
+                "send JSON text encoded as UTF-8 (json.dumps escapes every non-ASCII character)", "invalid_encoding")
+    return "the request body could not be parsed as JSON; send one JSON object encoded as UTF-8", "invalid_json"
+
+
 def _check_ids(tokenizer: Any, ids: list[int]) -> list[int]:
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     bad = [i for i in ids if not 0 <= i < vocab]
@@ -201,7 +215,11 @@ def create_app(engine: Any, chat_template: Any = None) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, e: HTTPException):
-        return JSONResponse(error_body(str(e.detail), None, None), status_code=e.status_code)
+        if e.status_code == 400 and e.detail == "There was an error parsing the body":  # FastAPI's: say why
+            message, code = _unparsed_body(await request.body())
+            return JSONResponse(error_body(message, None, code), status_code=400)
+        return JSONResponse(error_body(str(e.detail), None, _HTTP_CODES.get(e.status_code)),
+                            status_code=e.status_code)
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, e: Exception):
@@ -253,7 +271,7 @@ def create_app(engine: Any, chat_template: Any = None) -> FastAPI:
         try:  # images are decoded and checked here, off the event loop
             ids, parser, images = await run_in_threadpool(chat_prompt, engine, template,
                                                           [m.as_dict() for m in req.messages], req.tool_specs(),
-                                                          req.tool_choice_value(), req.reasoning_effort)
+                                                          req.tool_choice_value(), req.effort())
         except ChatError as e:  # the format refused the messages or tools: say why
             raise APIError(str(e), e.param) from None
         except ImageError as e:  # corrupt, empty, zero-size or too large, or a URL k3 will not fetch

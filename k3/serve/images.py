@@ -5,13 +5,17 @@ and digest: the prefix cache hashes the digest with the tokens)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 from ..inference.api import PromptImage
 from ..vision.chat import encode_chat, has_images
+from ..vision.preprocess import MAX_PATCHES
 
 __all__ = ["chat_prompt", "vision_of", "NoVisionTower"]
+
+log = logging.getLogger("k3.serve")
 
 
 class NoVisionTower(ValueError):
@@ -43,6 +47,11 @@ def chat_prompt(engine: Any, template: Any, messages: list[dict], tools=None, to
     vision, placeholder = info
     out = encode_chat(template, engine.tokenizer, messages, vision, placeholder, tools=tools,
                       tool_choice=tool_choice, reasoning_effort=reasoning_effort, base_dir=base_dir)
+    for k, im in enumerate(out.images):  # shrinking is the processor's rule (K2.5's too), said, never silent
+        if im.resized_from is not None:
+            H, W = im.resized_from
+            log.warning("image %d of the request: %d x %d pixels shrunk to fit %d x %d patches (the tower's budget of "
+                     "%d patches)", k, W, H, im.grid[1], im.grid[0], MAX_PATCHES)
     images = tuple(PromptImage(s, im.tokens(vision), im.pixels, im.grid, im.digest)
                    for s, im in zip(out.starts, out.images))
     return out.ids, out.parser, images

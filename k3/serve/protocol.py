@@ -5,9 +5,11 @@ does with fields it does not know; fields whose non-default values this server c
 ``echo``, ``best_of``, penalties, ``response_format``...) are rejected with a message naming them. Chat takes
 OpenAI's ``tools`` / ``tool_choice``, assistant ``tool_calls`` and ``role: "tool"`` messages, and ``image_url`` content
 parts (the image as a ``data:`` URL; k3.vision.encode_chat decodes and checks it). ``top_k`` (0 or -1 = off) and
-``ignore_eos`` (keep writing past the end-of-sequence token, for benchmarks) are extensions. Text must be valid
-Unicode: a lone UTF-16 surrogate (``"\ud800"``, which JSON can spell but no encoding can carry) is refused with the
-field named; ``seed`` must fit the sampler's 64-bit generator. Every error is HTTP 400 with the body
+``ignore_eos`` (keep writing past the end-of-sequence token, for benchmarks) are extensions. ``reasoning_effort``
+takes OpenAI's values and K3's ``max`` (``EFFORT_OF`` maps them to K3's efforts). Text must be valid Unicode: a lone
+UTF-16 surrogate (``"\ud800"``, which JSON can spell but no encoding can carry) is refused with the field named,
+wherever it is (content, prompt, stop, tool names, descriptions and parameter schemas, tool-call ids, names and
+arguments, reasoning_content); ``seed`` must fit the sampler's 64-bit generator. Every error is HTTP 400 with the body
 ``{"error": {"message", "type": "invalid_request_error", "param", "code"}}``.
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 from pydantic_core import PydanticCustomError
 
 __all__ = ["APIError", "CompletionRequest", "ChatRequest", "ChatMessage", "error_body", "validation_message"]
@@ -50,7 +52,9 @@ def _short(value: Any) -> str:
     return r if len(r) <= 80 else r[:77] + "..."
 
 
-def _valid_unicode(text: str) -> str:
+def _valid_unicode(text: Any) -> Any:
+    if not isinstance(text, str):  # the type check comes after: this runs first, before a pattern could say less
+        return text
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -60,7 +64,38 @@ def _valid_unicode(text: str) -> str:
     return text
 
 
-Text = Annotated[str, AfterValidator(_valid_unicode)]
+Text = Annotated[str, BeforeValidator(_valid_unicode)]
+
+
+def _valid_json_text(value: Any, where: str = "") -> Any:
+    """Every key and string in a JSON value (a tool's parameters schema) is valid Unicode; the error names where."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        at = f"{where}.{key}" if where else str(key)
+        for text in ((key, item) if isinstance(key, str) else (item,)):
+            if isinstance(text, str):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise PydanticCustomError(
+                        "lone_surrogate", "contains a lone UTF-16 surrogate ({char}) in {at}, which is not text; "
+                        "send valid Unicode (surrogates only in pairs)",
+                        {"char": f"\\u{ord(text[e.start]):04x}",
+                         "at": at.encode("utf-8", "backslashreplace").decode("utf-8")}) from None
+        if isinstance(item, (dict, list)):
+            _valid_json_text(item, at)
+    return value
+
+
+# keys untyped: pydantic's own check of a key with a lone surrogate puts the key in the error's location, which then
+# cannot be reported at all (errors() raises); this validator names the place, its surrogates escaped
+JSONObject = Annotated[dict, AfterValidator(_valid_json_text)]
+
+# reasoning_effort: OpenAI's values and K3's own -> the effort the chat format renders (None: no thinking). K3 is
+# post-trained at low, high and max (k3.post: EFFORTS); OpenAI's minimal and medium map to the nearest of those.
+EFFORT_OF = {"none": None, "minimal": "low", "low": "low", "medium": "high", "high": "high", "xhigh": "max",
+             "max": "max"}
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None, str]:
@@ -103,7 +138,7 @@ class StreamOptions(_Body):
 class _Sampling(_Body):
     """Fields common to both endpoints (null means "default", as in OpenAI's API)."""
 
-    model: str
+    model: Text
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
@@ -149,7 +184,7 @@ class TextPart(_Body):
 
 
 class ImageURL(_Body):
-    url: str  # a data: URL (k3 fetches nothing: http(s) URLs are refused when the prompt is built)
+    url: Text  # a data: URL (k3 fetches nothing: http(s) URLs are refused when the prompt is built)
     detail: Literal["auto", "low", "high"] | None = None  # accepted; k3 always sees the image at native resolution
 
 
@@ -169,20 +204,20 @@ ContentPart = Annotated[Annotated[TextPart, Tag("part(text)")] | Annotated[Image
 
 
 class FunctionCall(_Body):
-    name: str
-    arguments: str  # JSON, as OpenAI sends it
+    name: Text
+    arguments: Text  # JSON, as OpenAI sends it
 
 
 class ToolCall(_Body):
-    id: str
+    id: Text
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
 class FunctionSpec(_Body):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
+    name: Text = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: Text | None = None
+    parameters: JSONObject | None = None
     strict: bool | None = None
 
 
@@ -193,16 +228,16 @@ class ToolSpec(_Body):
 
 class NamedToolChoice(_Body):
     type: Literal["function"]
-    function: dict[str, str]
+    function: Annotated[dict[Any, Text], AfterValidator(_valid_json_text)]
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
-    name: str | None = None
+    name: Text | None = None
     tool_calls: list[ToolCall] | None = None  # assistant
-    tool_call_id: str | None = None  # tool
-    reasoning_content: str | None = None  # assistant (thinking models)
+    tool_call_id: Text | None = None  # tool
+    reasoning_content: Text | None = None  # assistant (thinking models)
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -231,12 +266,16 @@ class ChatRequest(_Sampling):
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: Effort | None = None
     response_format: dict[str, Any] | None = None
     ONLY = {**_NO_PENALTIES, "response_format": (None, {"type": "text"})}
 
     def tool_specs(self) -> list[dict] | None:
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def effort(self) -> str | None:
+        """The reasoning effort the chat format renders (``EFFORT_OF``): None for none or when left out."""
+        return EFFORT_OF[self.reasoning_effort] if self.reasoning_effort is not None else None
 
     def tool_choice_value(self) -> Any:
         return self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice

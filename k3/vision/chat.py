@@ -100,6 +100,15 @@ def image_source(part: Mapping, where: str, base_dir: str | Path | None = None) 
     return _decode_data_url(url, f"{where}.image_url.url")
 
 
+def _describe(part: Mapping) -> str:
+    """An image part in a few words, for errors: its file, or its URL's scheme and media type (never its bytes)."""
+    if part.get("type") == "image":
+        return f"the file {part.get('path')!r}"
+    url = str((part.get("image_url") or {}).get("url", ""))
+    head = url.split(",", 1)[0][:60]
+    return f"a {head} URL" if head.startswith("data:") else "an image_url"
+
+
 class _SlotTokenizer:
     """The tokenizer, encoding ``sentinel`` in any text as one ``IMAGE_SLOT`` (other attributes pass through)."""
 
@@ -157,7 +166,7 @@ def encode_chat(template, tokenizer, messages: Sequence[Mapping], vision: Vision
             elif is_image_part(part):
                 try:
                     images.append(load_image(image_source(part, where, base_dir), vision, max_pixels=max_pixels,
-                                             max_patches=max_patches, name=where))
+                                             max_patches=max_patches, name=f"{where} ({_describe(part)})"))
                 except ImageError as e:
                     e.param = e.param or where
                     raise

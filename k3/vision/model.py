@@ -21,6 +21,7 @@ from torch import nn
 from ..config import K3Config
 from ..model.transformer import CausalLMOutput, K3ForCausalLM
 from .config import VisionConfig, placeholder_of, vision_of
+from .stepwise import encode_in_pieces
 from .tower import MoonViT
 
 __all__ = ["K3ForConditionalGeneration", "Projector", "tokens_per_image", "count_vision_parameters"]
@@ -125,6 +126,11 @@ class K3ForConditionalGeneration(nn.Module):
         """Packed images (pixels [patches,3,p,p], ``grids`` [(h, w)]) -> their tokens' embeddings [n, D], image after
         image, each image's tokens row-major over its merged grid."""
         return self.mm_projector(self.vision_tower(pixels, grids))
+
+    def encode_image_pieces(self, pixels: torch.Tensor, grid: tuple[int, int], piece_flops: float):
+        """``encode_images`` of one image in pieces of about ``piece_flops`` each (``k3.vision.stepwise``): a
+        generator yielding each piece's FLOPs and returning the embeddings [n, D]. The engine runs a few per step."""
+        return encode_in_pieces(self.vision_tower, self.mm_projector, pixels, grid, piece_flops)
 
     def embed(self, input_ids: torch.Tensor, pixels: torch.Tensor | None = None,
               grids: Sequence[tuple[int, int]] = (), image_tokens: torch.Tensor | None = None) -> torch.Tensor:

@@ -47,11 +47,13 @@ class ImageError(ValueError):
 
 @dataclass(frozen=True)
 class ImageInput:
-    """One preprocessed image: ``pixels`` [h*w, 3, p, p] fp32, ``grid`` (h, w) in patches, ``digest`` (16 bytes)."""
+    """One preprocessed image: ``pixels`` [h*w, 3, p, p] fp32, ``grid`` (h, w) in patches, ``digest`` (16 bytes),
+    ``resized_from``: its size before it was shrunk to the patch budget (None when it was not)."""
 
     pixels: torch.Tensor
     grid: tuple[int, int]
     digest: bytes
+    resized_from: tuple[int, int] | None = None  # (H, W) pixels before ``fit_size`` shrank it; None: not shrunk
 
     def tokens(self, cfg: VisionConfig) -> int:
         """Placeholder tokens it takes in the prompt (h*w / 4)."""
@@ -79,18 +81,21 @@ def read_image(source: bytes | str | Path, *, max_pixels: int = MAX_PIXELS, name
         raise ImageError(f"{name} is empty (0 bytes); send the bytes of a PNG, JPEG, GIF, WebP or BMP image")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit, below, decides
+        buffer = io.BytesIO(data)
         try:
-            im = Image.open(io.BytesIO(data))
+            im = Image.open(buffer)
         except Image.DecompressionBombError as e:
-            raise ImageError(f"{name} is too large to decode ({e}); downscale it to at most "
+            raise ImageError(f"{name} is too large to decode ({_detail(e, buffer)}); downscale it to at most "
                              f"{max_pixels / 1e6:g} megapixels") from None
         except (UnidentifiedImageError, OSError) as e:
             size = _png_size(data)
             if size is not None and 0 in size:
                 raise ImageError(f"{name} has zero size ({size[0]} x {size[1]} pixels); send an image with pixels in "
                                  "it") from None
-            raise ImageError(f"{name} is not an image k3 can read ({e}); send PNG, JPEG, GIF, WebP or BMP bytes") \
-                from None
+            why = (f"Pillow recognises no image format in them; they begin {data[:8].hex(' ')}"
+                   if isinstance(e, UnidentifiedImageError) else _detail(e, buffer))
+            raise ImageError(f"{name} is not an image k3 can read ({len(data)} bytes; {why}); send PNG, JPEG, GIF, "
+                             "WebP or BMP bytes") from None
     w, h = im.size
     if w == 0 or h == 0:
         raise ImageError(f"{name} has zero size ({w} x {h} pixels); send an image with pixels in it")
@@ -102,7 +107,13 @@ def read_image(source: bytes | str | Path, *, max_pixels: int = MAX_PIXELS, name
         im.load()
         return im.convert("RGB")
     except (OSError, ValueError, SyntaxError) as e:  # truncated or corrupt pixel data
-        raise ImageError(f"{name} could not be decoded: its data is truncated or corrupt ({e})") from None
+        raise ImageError(f"{name} could not be decoded: its data is truncated or corrupt "
+                         f"({_detail(e, buffer)})") from None
+
+
+def _detail(e: Exception, buffer: io.BytesIO) -> str:
+    """Pillow's message without the repr of the in-memory file it read (``<_io.BytesIO object at 0x...>``)."""
+    return str(e).replace(f" {buffer!r}", "").replace(repr(buffer), "the image") or type(e).__name__
 
 
 def fit_size(height: int, width: int, cfg: VisionConfig, max_patches: int = MAX_PATCHES,
@@ -143,7 +154,7 @@ def preprocess(image, cfg: VisionConfig, max_patches: int = MAX_PATCHES) -> Imag
     gh, gw = ph // p, pw // p
     pixels = x.view(3, gh, p, gw, p).permute(1, 3, 0, 2, 4).reshape(gh * gw, 3, p, p).contiguous()
     digest = hashlib.blake2b(struct.pack("<qqqq", h, w, gh, gw) + rgb, digest_size=16).digest()
-    return ImageInput(pixels, (gh, gw), digest)
+    return ImageInput(pixels, (gh, gw), digest, (H, W) if (h, w) != (H, W) else None)
 
 
 def load_image(source: bytes | str | Path, cfg: VisionConfig, *, max_pixels: int = MAX_PIXELS,

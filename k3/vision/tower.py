@@ -137,12 +137,19 @@ class EncoderLayer(nn.Module):
         self.norm1 = _norm(cfg, cfg.vt_hidden_size)
         self.mlp = MLP2(cfg)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T,D] -> q, k, v [T,H,Dh] (q and k rotated): row by row, so any rows may be computed apart."""
         T = x.shape[0]
-        q, k, v = self.wqkv(self.norm0(x)).view(T, 3, self.heads, self.head_dim).unbind(1)  # [T,H,Dh] each
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        x = x + self.wo(attend_images(q, k, v, cu_seqlens).reshape(T, -1))
+        q, k, v = self.wqkv(self.norm0(x)).view(T, 3, self.heads, self.head_dim).unbind(1)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The rows x [T,D] with their attention output o [T,H,Dh] -> the layer's output rows (row by row)."""
+        x = x + self.wo(o.reshape(x.shape[0], -1))
         return x + self.mlp(self.norm1(x))
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.out(x, attend_images(*self.qkv(x, cos, sin), cu_seqlens))
 
 
 class Encoder(nn.Module):

@@ -187,6 +187,16 @@ def test_engine_abort_is_reported(client, engine):
 
 
 TOO_LONG = "word " * 200
+
+
+def _tool(**function):
+    return {"type": "function", "function": {"name": "get_weather", **function}}
+
+
+def _assistant_call(**fields):
+    call = {"id": "call-1", "name": "get_weather", "arguments": "{}", **fields}
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]}
 ERRORS = {
     "unknown-model": ("c", {"model": "gpt-9"}, "model"),
     "n-2": ("c", {"n": 2}, "n"),
@@ -236,6 +246,27 @@ ERRORS = {
                                              "tool_choice": {"type": "function", "function": {"name": "g"}}},
                                     "tool_choice"),
     "chat-reasoning-in-chatml": ("chat", {"reasoning_effort": "high"}, "reasoning_effort"),
+    "chat-reasoning-effort-unknown": ("chat", {"reasoning_effort": "extreme"}, "reasoning_effort"),
+    "tool-name-lone-surrogate": ("chat", {"tools": [_tool(name="f\ud800")]}, "tools.0.function.name"),
+    "tool-description-lone-surrogate": ("chat", {"tools": [_tool(description="d\udfff")]},
+                                        "tools.0.function.description"),
+    "tool-parameters-lone-surrogate": ("chat", {"tools": [_tool(parameters={
+        "type": "object", "properties": {"city": {"type": "string", "description": "x\ud800"}}})]},
+        "tools.0.function.parameters"),
+    "tool-parameter-key-lone-surrogate": ("chat", {"tools": [_tool(parameters={"properties": {"c\udc00": {}}})]},
+                                          "tools.0.function.parameters"),
+    "tool-call-arguments-lone-surrogate": ("chat", {"messages": [*CHAT, _assistant_call(arguments='{"a": "\ud800"}')]},
+                                           "messages.2.tool_calls.0.function.arguments"),
+    "tool-call-name-lone-surrogate": ("chat", {"messages": [*CHAT, _assistant_call(name="g\ud800")]},
+                                      "messages.2.tool_calls.0.function.name"),
+    "tool-call-id-lone-surrogate": ("chat", {"messages": [*CHAT, _assistant_call(id="c\ud800")]},
+                                    "messages.2.tool_calls.0.id"),
+    "reasoning-content-lone-surrogate": ("chat", {"messages": [*CHAT, {"role": "assistant", "content": "ok",
+                                                                       "reasoning_content": "hm\ud800"}]},
+                                         "messages.2.reasoning_content"),
+    "tool-message-id-lone-surrogate": ("chat", {"messages": [*CHAT, {"role": "tool", "content": "1",
+                                                                     "tool_call_id": "\udbff"}]},
+                                       "messages.2.tool_call_id"),
 }
 
 
@@ -253,6 +284,8 @@ def test_errors_are_openai_400s_and_server_keeps_serving(client, name):
     assert err["param"] == param, err
     assert isinstance(err["message"], str) and len(err["message"]) > 10
     assert "surrogate" in err["message"] or "surrogate" not in name
+    if name == "tool-parameters-lone-surrogate":  # the place inside the schema is named too
+        assert "properties.city.description" in err["message"], err
     assert complete(client, max_tokens=2).status_code == 200
 
 
@@ -283,6 +316,34 @@ def test_messages_name_the_problem(client):
     assert "not valid JSON" in err["error"]["message"]
     err = client.post("/v1/completions", content=b'{"model": "k3-fake"}').json()  # no content-type header
     assert "Content-Type: application/json" in err["error"]["message"]
+
+
+@pytest.mark.parametrize("raw", [b'{"model": "k3-fake", "prompt": "\xff\xfe"}', b"\xc3(", b'{"prompt": "a\xc3"}'])
+def test_invalid_utf8_body_is_named(client, raw):
+    r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "invalid_encoding", err
+    assert "not valid UTF-8" in err["message"] and "offset" in err["message"]
+    assert complete(client, max_tokens=2).status_code == 200
+
+
+@pytest.mark.parametrize("effort,rendered", [("minimal", "low"), ("low", "low"), ("medium", "high"),
+                                             ("high", "high"), ("xhigh", "max"), ("max", "max"), ("none", None)])
+def test_reasoning_effort_takes_openais_values(effort, rendered):
+    from k3.serve.xtml import KimiK3Chat
+
+    engine = FakeEngine(max_context=2048)
+    engine.start()
+    try:
+        r = chat(TestClient(create_app(engine, KimiK3Chat())), reasoning_effort=effort, max_tokens=2)
+    finally:
+        engine.stop()
+    assert r.status_code == 200, r.text
+    prompt = engine.tokenizer.decode(list(engine.submitted[-1].prompt_ids), skip_special_tokens=False)
+    if rendered is None:
+        assert "thinking_effort" not in prompt
+    else:
+        assert f"thinking_effort={rendered}`" in prompt
 
 
 def test_unknown_route_is_openai_error(client):

@@ -73,7 +73,7 @@ def test_greedy_with_images_equals_full_forward(model, tok, chunk):
     finishes, tokens = run(eng, reqs, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     for (ids, ims), got in zip(reqs, tokens):
         assert got == reference_greedy(model, ids, ims, 5)
-    assert not eng.runner._image_features  # every image's features were dropped once prefilled
+    assert not eng.runner.images.features and not eng.runner.images.jobs  # all dropped once prefilled
     assert eng.pool.pages_in_use == 0
 
 

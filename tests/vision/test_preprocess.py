@@ -30,7 +30,7 @@ def test_fit_keeps_aspect_respects_budget_pads_to_28(size):
 def test_small_images_are_not_resized_only_padded():
     im = load_image(png(40, 30), V2)
     assert im.grid == (4, 4) and im.pixels.shape == (16, 3, 14, 14)  # 30 x 40 -> padded 56 x 56
-    assert im.tokens(V2) == 4
+    assert im.tokens(V2) == 4 and im.resized_from is None
 
 
 def test_patches_are_the_image_row_major_normalised():
@@ -57,6 +57,7 @@ def test_large_image_is_fitted_to_the_budget():
     im = load_image(png(3000, 2000), V2, max_patches=1024)
     h, w = im.grid
     assert h * w <= 1024 and h % 2 == 0 and w % 2 == 0 and abs(w / h - 1.5) < 0.1
+    assert im.resized_from == (2000, 3000)  # said, so a server can report it (k3.serve.images logs it)
 
 
 @pytest.mark.parametrize("data, match", [
@@ -68,8 +69,12 @@ def test_large_image_is_fitted_to_the_budget():
     (png(64, 64)[:-40], "could not be decoded|not an image"),
 ])
 def test_bad_images_are_refused_with_what_was_wrong(data, match):
-    with pytest.raises(ImageError, match=match):
+    with pytest.raises(ImageError, match=match) as e:
         read_image(data, name="the test image")
+    assert str(e.value).startswith("the test image ") and "BytesIO" not in str(e.value) \
+        and "object at 0x" not in str(e.value)
+    if data is CORRUPT:  # what the bytes are instead: their count and first bytes
+        assert f"{len(CORRUPT)} bytes" in str(e.value) and CORRUPT[:8].hex(" ") in str(e.value)
 
 
 def test_missing_file_names_the_path(tmp_path):

@@ -87,7 +87,9 @@ def test_bad_images_are_400s_naming_the_part_and_the_server_keeps_serving(served
         ask(client, image(url))
     err = e.value.body
     assert e.value.status_code == 400 and message in err["message"] and err["param"] == param, err
-    assert err["code"] == "invalid_image"
+    assert err["code"] == "invalid_image" and "BytesIO" not in err["message"]
+    if url.startswith("data:image/png;base64,") and "base64" not in message:  # the part, and what kind of URL
+        assert err["message"].startswith("messages[0].content[1] (a data:image/png;base64 URL)"), err
     assert ask(client, image(data_url(png(20, 20))), max_tokens=1).choices[0].finish_reason in ("length", "stop")
 
 
@@ -97,3 +99,15 @@ def test_a_text_only_model_refuses_images_and_still_answers_text(served):
         ask(text_only, image(data_url(png())))
     assert e.value.body["code"] == "unsupported_content"
     assert ask(text_only, [{"role": "user", "content": "hi"}], max_tokens=1).choices[0].finish_reason
+
+
+def test_an_image_over_the_patch_budget_is_shrunk_and_the_server_says_so(tok, caplog):
+    from types import SimpleNamespace
+
+    from k3.serve.images import chat_prompt
+
+    engine = SimpleNamespace(tokenizer=tok, vision=(TINY, tok.token_to_id("<|media_pad|>")))
+    with caplog.at_level("WARNING", logger="k3.serve"):
+        _, _, (im,) = chat_prompt(engine, ChatTemplate(), image(data_url(png(2000, 2000))))
+    assert im.grid == (128, 128)  # 16384 patches: 2000 x 2000 -> 1792 x 1792
+    assert "2000 x 2000 pixels shrunk to fit 128 x 128 patches" in caplog.text

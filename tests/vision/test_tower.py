@@ -33,7 +33,30 @@ def test_attention_stays_within_each_image(lengths):
     ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b)
-    torch.testing.assert_close(attend_images(q, k, v, cu), out)  # on CPU: the reference itself
+    for max_scores in (1 << 25, 3 * 40, 1):  # one call per group; chunks of a row or more; one query row a call
+        fast = attend_images(q, k, v, cu, max_scores=max_scores)
+        torch.testing.assert_close(fast, out)
+        for a, b in zip(torch.autograd.grad((fast * w).sum(), (q, k, v)), grads):
+            torch.testing.assert_close(a, b)
+
+
+def test_tower_attention_holds_no_image_sized_scores(monkeypatch):
+    """Off CUDA every SDPA call gets 4-D inputs (CPU's flash kernel; a 3-D call takes the math path, L x L) and at
+    most max_scores scores, for one image and for a padded group."""
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None):
+        calls.append((q.dim(), q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]))
+        return real(q, k, v, attn_mask=attn_mask)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    for lengths in ([300], [300, 280, 9]):
+        q, k, v = (torch.randn(sum(lengths), 2, 8) for _ in range(3))
+        calls.clear()
+        attend_images(q, k, v, torch.tensor([0, *lengths]).cumsum(0), max_scores=2 * 300 * 64)
+        assert calls and all(dim == 4 and scores <= 2 * 300 * 64 for dim, scores in calls), calls
+        assert len(calls) > 1  # the large image's queries came in chunks
 
 
 def test_rope_is_a_complex_rotation_by_column_and_row():

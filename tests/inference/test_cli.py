@@ -116,7 +116,9 @@ def test_ctrl_c_while_k3_starts_is_one_line_and_130():
     """SIGINT while the modules import (as `timeout -s INT` sends it): no traceback, status 130."""
     p = subprocess.Popen([sys.executable, "-m", "k3", "params", "--preset", "tiny"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
-    time.sleep(0.3)
+    deadline = time.time() + 60
+    while "libtorch" not in open(f"/proc/{p.pid}/maps").read() and time.time() < deadline:
+        time.sleep(0.01)  # until torch is loading: inside `python -m k3`'s imports, before any command runs
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 130 and "Traceback" not in err and "Exception ignored" not in err, err

@@ -283,6 +283,17 @@ def _mismatch(config: K3Config, missing: list[str], unexpected: list[str]) -> st
             "A checkpoint of another model, or a config.json that does not describe these weights?")
 
 
+def check_finite(state: dict, directory) -> None:
+    """Refuse weights holding NaN or inf (a run that diverged, or bytes damaged before SHA256SUMS were written):
+    such a model produces NaN logits, and sampling from them would print nothing and exit 0. Integer (packed)
+    tensors cannot hold either and are not read."""
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise CheckpointError(f"{directory}: {len(bad)} weight tensor(s) hold NaN or inf values ({', '.join(bad[:5])}"
+                              f"{', ...' if len(bad) > 5 else ''}): the run that wrote them diverged, or the file is "
+                              "damaged. Use an earlier checkpoint, or retrain (a lower --lr, --qk-clip on)")
+
+
 def load_pretrained(directory: str | Path, config: K3Config | None = None, dtype=None, device="cpu",
                     strict: bool = True, verify: bool = True, keep_packed: bool = False, vision: bool = False):
     """Build a K3ForCausalLM from a checkpoint directory: k3's, the K3 release, or a Kimi Linear checkpoint
@@ -319,6 +330,7 @@ def load_pretrained(directory: str | Path, config: K3Config | None = None, dtype
         state = {TEXT_PREFIX + k: v for k, v in state.items()} | vision_state(hf, state["model.embed_tokens.weight"].dtype)
         skipped = [n for n in skipped if not is_vision(n)]
     del hf
+    check_finite(state, directory)
     with torch.device("meta"):
         model = K3ForConditionalGeneration(config) if vision else K3ForCausalLM(config)
     if keep_packed:

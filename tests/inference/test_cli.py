@@ -255,3 +255,22 @@ def test_chat_and_serve_use_the_checkpoints_chat_format(tmp_path):
                               seed=0, device="cpu", verify=True)
     out = io.StringIO()
     assert chat.run(args, stdin=io.StringIO("hello\n\n"), stdout=out) == 0 and out.getvalue().count("> ") == 2
+
+
+def test_nan_weights_are_refused_naming_the_tensors(tmp_path, capsys):
+    """A diverged run's checkpoint: an error naming the tensors and a non-zero exit, not empty output and 0."""
+    import pytest
+
+    from k3.checkpoint import CheckpointError, load_pretrained
+
+    ck = make_checkpoint(tmp_path)
+    model = load_pretrained(ck)
+    with torch.no_grad():
+        name = next(n for n, p in model.named_parameters() if "layers.2." in n and p.is_floating_point())
+        dict(model.named_parameters())[name][0].fill_(float("inf"))
+    save_pretrained(model, ck)
+    with pytest.raises(CheckpointError, match=r"weight tensor\(s\) hold NaN or inf values \(.*layers\.2\."):
+        load_pretrained(ck)
+    assert main(["generate", "--checkpoint", str(ck), "--prompt", "hello", "--max-tokens", "3"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and "hold NaN or inf values" in err and "Use an earlier checkpoint" in err

@@ -115,6 +115,17 @@ def _layers_from_types(types: list, n: int) -> tuple[tuple[int, ...], tuple[int,
             tuple(i + 1 for i, t in enumerate(types) if t == "linear_attention"))
 
 
+KEEP_UNKNOWN_ENV = "K3_CONFIG_UNKNOWN"  # =keep: carry unknown fields through unread (strict=False), for every command
+
+
+class UnknownConfigField(ValueError):
+    """A config.json field k3 has no setting for; ``K3Config.from_hf`` adds the file and what to do."""
+
+    HOW = (" k3 has no setting of that name, so it would be ignored. Remove it from the file if it is a typo or "
+           f"another model's setting; to keep it unread (written back when k3 saves the config), run with "
+           f"{KEEP_UNKNOWN_ENV}=keep in the environment (in Python: K3Config.from_hf(..., strict=False))")
+
+
 def _read_linear(d: dict, kw: dict, model_type: str | None, strict: bool) -> dict | None:
     """The KDA settings: ``linear_attn_config`` (the release), else transformers' flat keys; returns unknown
     linear_attn_config keys to carry."""
@@ -127,7 +138,8 @@ def _read_linear(d: dict, kw: dict, model_type: str | None, strict: bool) -> dic
     if lin is not None:
         unknown = set(lin) - _LINEAR_KEYS
         if unknown and strict:
-            raise ValueError(f"unknown field(s) in linear_attn_config: {sorted(unknown)}; known: {sorted(_LINEAR_KEYS)}")
+            raise UnknownConfigField(f"unknown field(s) {sorted(unknown)} in linear_attn_config (known: "
+                                     f"{sorted(_LINEAR_KEYS)})")
         extra_lin = {k: lin[k] for k in unknown} or None
         for key, v in flat.items():  # transformers writes both; they must agree
             _need(v is None or key not in lin or lin[key] == v,
@@ -239,7 +251,7 @@ def read_hf(src: dict, cls, strict: bool = True) -> dict:
         elif k in _PASSTHROUGH:
             extra[k] = v
         elif strict:
-            raise ValueError(f"unknown field {k!r} in the text config; pass strict=False to carry it through")
+            raise UnknownConfigField(f"unknown field {k!r} in the text config")
         else:
             extra[k] = v
     if extra_lin:

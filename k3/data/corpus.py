@@ -49,21 +49,21 @@ def _read(path: Path) -> str:
     return path.read_text(encoding="utf-8", errors="replace")
 
 
-def _read_text(path: Path, name: str | None = None) -> str:
+def read_text_file(path: Path, name: str | None = None,
+                   want: str = "--data takes UTF-8 text: a text file, a .jsonl file or a directory of text files") -> str:
     """A user's text file, which must be UTF-8 text: a binary file (NUL bytes) or one in another encoding is
-    refused naming the file and the first offending byte, never trained on as replacement characters."""
+    refused naming the file (``name``, default its path), the first offending byte and ``want``, what to give,
+    never read as replacement characters."""
     data = path.read_bytes()
     where = name or str(path)
     nul = data.find(b"\0")
     if nul >= 0:
-        raise ValueError(f"{where} is a binary file, not text (a NUL byte at offset {nul}); --data takes UTF-8 "
-                         "text: give a text file, a .jsonl file or a directory of text files")
+        raise ValueError(f"{where} is a binary file, not text (a NUL byte at offset {nul}); {want}")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{where} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); convert it, "
-                         f"e.g. iconv -f latin1 -t utf-8 {path} > {path.stem}.utf8{path.suffix}, or remove it from "
-                         "the data") from None
+                         f"e.g. iconv -f latin1 -t utf-8 {path} > {path.stem}.utf8{path.suffix}; {want}") from None
 
 
 def check_unicode(value, where: str, field: str = "") -> None:
@@ -182,14 +182,14 @@ def load_documents(path: str | os.PathLike, max_chars: int | None = None) -> lis
                                 "or a directory of text files")
     if path.is_dir():
         docs = [Document(rel, t) for rel in _walk(path, TEXT_SUFFIXES, skip_hidden=True)
-                if (t := _read_text(path / rel))]
+                if (t := read_text_file(path / rel))]
         if not docs:
             raise ValueError(f"directory {str(path)!r} holds no non-empty text files; expected files ending in "
                              f"{', '.join(TEXT_SUFFIXES)} (searched recursively, hidden entries skipped)")
     elif path.suffix == ".jsonl":
         docs = _load_jsonl(path)
     else:
-        text = _read_text(path)
+        text = read_text_file(path)
         if not text:
             raise ValueError(f"corpus file {str(path)!r} is empty; give a file with text in it")
         docs = [Document(path.name, text)]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -160,17 +159,13 @@ class K3Config:
         directory holding config.json. A key the file lacks means what the file's ``model_type`` means by it
         (see k3/config_hf.py). Unknown keys raise, naming the file and the key (``strict=False``, or
         ``K3_CONFIG_UNKNOWN=keep`` in the environment for every k3 command, carries them through unread)."""
-        from .config_hf import KEEP_UNKNOWN_ENV, UnknownConfigField, drop_generated, read_hf
+        from .config_hf import drop_generated, read_hf
+        from .config_strict import UnknownConfigField, strict_reading
 
-        keep = os.environ.get(KEEP_UNKNOWN_ENV)
-        if keep not in (None, "", "keep"):
-            raise ValueError(f"{KEEP_UNKNOWN_ENV}={keep!r}: the only value is 'keep' (carry unknown config.json "
-                             "fields through unread); unset it to refuse them")
-        where = "the config" if isinstance(src, dict) else str(_config_path(src))
         try:
-            kw = read_hf(_load_json(src), cls, strict and keep != "keep")
+            kw = read_hf(_load_json(src), cls, strict_reading(strict))
         except UnknownConfigField as e:
-            raise UnknownConfigField(f"{where}: {e}:{UnknownConfigField.HOW}") from None
+            raise e.at(src) from None
         return drop_generated(cls(**kw))
 
     def to_hf(self) -> dict:
@@ -191,15 +186,12 @@ class K3Config:
         Path(path).write_text(json.dumps(self.to_hf(), indent=2) + "\n")
 
 
-def _config_path(src) -> Path:
-    p = Path(src)
-    return p / "config.json" if p.is_dir() else p
-
-
 def _load_json(src) -> dict:
     if isinstance(src, dict):
         return src
-    p = _config_path(src)
+    p = Path(src)
+    if p.is_dir():
+        p = p / "config.json"
     if not p.exists():
         raise FileNotFoundError(f"no config.json at {p}")
     try:

@@ -25,6 +25,8 @@ import dataclasses
 import itertools
 from typing import TYPE_CHECKING, Any
 
+from .config_strict import UnknownConfigField
+
 if TYPE_CHECKING:
     from .config import K3Config
 
@@ -113,17 +115,6 @@ def _layers_from_types(types: list, n: int) -> tuple[tuple[int, ...], tuple[int,
     _need(not bad, f"layer_types may hold 'full_attention' and 'linear_attention' only; got {bad}")
     return (tuple(i + 1 for i, t in enumerate(types) if t == "full_attention"),
             tuple(i + 1 for i, t in enumerate(types) if t == "linear_attention"))
-
-
-KEEP_UNKNOWN_ENV = "K3_CONFIG_UNKNOWN"  # =keep: carry unknown fields through unread (strict=False), for every command
-
-
-class UnknownConfigField(ValueError):
-    """A config.json field k3 has no setting for; ``K3Config.from_hf`` adds the file and what to do."""
-
-    HOW = (" k3 has no setting of that name, so it would be ignored. Remove it from the file if it is a typo or "
-           f"another model's setting; to keep it unread (written back when k3 saves the config), run with "
-           f"{KEEP_UNKNOWN_ENV}=keep in the environment (in Python: K3Config.from_hf(..., strict=False))")
 
 
 def _read_linear(d: dict, kw: dict, model_type: str | None, strict: bool) -> dict | None:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from ..atomic import atomic_path, write_text_atomic
 from ..config import K3Config
 from ..ops.mx import dequantize_mxfp4
-from .errors import CheckpointError
+from .errors import CheckpointError, check_finite
 from .manifest import forget_checksums, record_checksums, verify_checksums
 from .multimodal import TEXT_PREFIX, VISION_PREFIXES, is_vision, split_text, vision_state
 
@@ -281,17 +281,6 @@ def _mismatch(config: K3Config, missing: list[str], unexpected: list[str]) -> st
                 f"{'on' if config.mla_use_output_gate else 'off'}, AttnRes {config.attn_res})")
     return (f"checkpoint does not match its config.json: missing {few(missing)}; unexpected {few(unexpected)}{hint}. "
             "A checkpoint of another model, or a config.json that does not describe these weights?")
-
-
-def check_finite(state: dict, directory) -> None:
-    """Refuse weights holding NaN or inf (a run that diverged, or bytes damaged before SHA256SUMS were written):
-    such a model produces NaN logits, and sampling from them would print nothing and exit 0. Integer (packed)
-    tensors cannot hold either and are not read."""
-    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
-    if bad:
-        raise CheckpointError(f"{directory}: {len(bad)} weight tensor(s) hold NaN or inf values ({', '.join(bad[:5])}"
-                              f"{', ...' if len(bad) > 5 else ''}): the run that wrote them diverged, or the file is "
-                              "damaged. Use an earlier checkpoint, or retrain (a lower --lr, --qk-clip on)")
 
 
 def load_pretrained(directory: str | Path, config: K3Config | None = None, dtype=None, device="cpu",

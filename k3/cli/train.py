@@ -79,9 +79,9 @@ def config_from_args(args, base: TrainConfig) -> TrainConfig:
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum, lr=args.lr,
         weight_decay=args.weight_decay, vocab_size=args.vocab_size, data_max_bytes=args.data_max_bytes,
         doc_chars=args.doc_chars, balance=args.balance, mtp_weight=args.mtp_weight, qk_clip_tau=args.qk_clip or None,
-        eval_every=args.eval_every, log_every=args.log_every, save_every=args.save_every, save_minutes=args.save_minutes, seed=args.seed,
+        eval_every=args.eval_every, log_every=args.log_every, save_every=args.save_every, seed=args.seed,
         device=args.device, kda_backend=args.kda_backend, memory_policy=args.memory_policy, compile=args.compile,
-        cuda_graph=args.cuda_graph, packing=args.packing,
+        cuda_graph=args.cuda_graph, packing=args.packing, save_minutes=args.save_minutes,
         stop_after=args.stop_after, dp=args.dp, cp=args.cp, ep=args.ep, verify=args.verify, qat=args.qat,
         init_from=args.init_from, chat=base.chat)
 

@@ -49,8 +49,10 @@ def _read(path: Path) -> str:
     return path.read_text(encoding="utf-8", errors="replace")
 
 
-def read_text_file(path: Path, name: str | None = None,
-                   want: str = "--data takes UTF-8 text: a text file, a .jsonl file or a directory of text files") -> str:
+DATA_IS_TEXT = "--data takes UTF-8 text: a text file, a .jsonl file or a directory of text files"
+
+
+def read_text_file(path: Path, name: str | None = None, want: str = DATA_IS_TEXT) -> str:
     """A user's text file, which must be UTF-8 text: a binary file (NUL bytes) or one in another encoding is
     refused naming the file (``name``, default its path), the first offending byte and ``want``, what to give,
     never read as replacement characters."""

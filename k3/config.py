@@ -157,10 +157,16 @@ class K3Config:
         """Read a config.json: the K3 release (``text_config`` inside a ``kimi_k3`` wrapper), a Kimi Linear
         config (as transformers writes it), or a bare text config. ``src`` is a dict, a config.json path, or a
         directory holding config.json. A key the file lacks means what the file's ``model_type`` means by it
-        (see k3/config_hf.py). Unknown keys raise (``strict=False`` carries them through instead)."""
+        (see k3/config_hf.py). Unknown keys raise, naming the file and the key (``strict=False``, or
+        ``K3_CONFIG_UNKNOWN=keep`` in the environment for every k3 command, carries them through unread)."""
         from .config_hf import drop_generated, read_hf
+        from .config_strict import UnknownConfigField, strict_reading
 
-        return drop_generated(cls(**read_hf(_load_json(src), cls, strict)))
+        try:
+            kw = read_hf(_load_json(src), cls, strict_reading(strict))
+        except UnknownConfigField as e:
+            raise e.at(src) from None
+        return drop_generated(cls(**kw))
 
     def to_hf(self) -> dict:
         """The config.json: Kimi Linear's layout when the model uses no K3-only mechanism, else the K3 release

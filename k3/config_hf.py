@@ -25,6 +25,8 @@ import dataclasses
 import itertools
 from typing import TYPE_CHECKING, Any
 
+from .config_strict import UnknownConfigField
+
 if TYPE_CHECKING:
     from .config import K3Config
 
@@ -127,7 +129,8 @@ def _read_linear(d: dict, kw: dict, model_type: str | None, strict: bool) -> dic
     if lin is not None:
         unknown = set(lin) - _LINEAR_KEYS
         if unknown and strict:
-            raise ValueError(f"unknown field(s) in linear_attn_config: {sorted(unknown)}; known: {sorted(_LINEAR_KEYS)}")
+            raise UnknownConfigField(f"unknown field(s) {sorted(unknown)} in linear_attn_config (known: "
+                                     f"{sorted(_LINEAR_KEYS)})")
         extra_lin = {k: lin[k] for k in unknown} or None
         for key, v in flat.items():  # transformers writes both; they must agree
             _need(v is None or key not in lin or lin[key] == v,
@@ -239,7 +242,7 @@ def read_hf(src: dict, cls, strict: bool = True) -> dict:
         elif k in _PASSTHROUGH:
             extra[k] = v
         elif strict:
-            raise ValueError(f"unknown field {k!r} in the text config; pass strict=False to carry it through")
+            raise UnknownConfigField(f"unknown field {k!r} in the text config")
         else:
             extra[k] = v
     if extra_lin:

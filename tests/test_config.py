@@ -205,3 +205,19 @@ def test_missing_file_and_bad_json(tmp_path):
         K3Config.from_hf(tmp_path)
     with pytest.raises(ValueError, match="unknown preset"):
         K3Config.preset("kimi-k4")
+
+
+def test_an_unknown_field_names_the_file_and_a_way_the_cli_offers(tmp_path, monkeypatch, capsys):
+    from k3.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(_broken(some_new_field=1)))
+    assert main(["params", "--config", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'config.json'}: unknown field 'some_new_field' in the text config" in err
+    assert "Remove it from the file" in err and "K3_CONFIG_UNKNOWN=keep" in err
+    monkeypatch.setenv("K3_CONFIG_UNKNOWN", "keep")  # the way the message offers, for any command
+    assert main(["params", "--config", str(tmp_path)]) == 0
+    assert K3Config.from_hf(tmp_path).to_hf()["text_config"]["some_new_field"] == 1
+    monkeypatch.setenv("K3_CONFIG_UNKNOWN", "yes")
+    with pytest.raises(ValueError, match="K3_CONFIG_UNKNOWN='yes': the only value is 'keep'"):
+        K3Config.from_hf(tmp_path)

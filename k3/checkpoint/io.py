@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from ..atomic import atomic_path, write_text_atomic
 from ..config import K3Config
 from ..ops.mx import dequantize_mxfp4
-from .errors import CheckpointError
+from .errors import CheckpointError, check_finite
 from .manifest import forget_checksums, record_checksums, verify_checksums
 from .multimodal import TEXT_PREFIX, VISION_PREFIXES, is_vision, split_text, vision_state
 
@@ -317,4 +317,5 @@ def read_checkpoint(directory: str | Path, config: K3Config | None = None, dtype
         towers = vision_state(hf, state["model.embed_tokens.weight"].dtype)
         state = {TEXT_PREFIX + k: v for k, v in state.items()} | towers
         skipped = [n for n in skipped if not is_vision(n)]
+    check_finite(state, directory)
     return Checkpoint(config, state, skipped, vision)

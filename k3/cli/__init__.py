@@ -8,6 +8,7 @@ full traceback instead.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from .. import __version__
@@ -57,3 +58,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"k3 {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 1
+
+
+def entry() -> int:
+    """The ``k3`` command's entry point: ``main``, then SIGINT ignored while the interpreter exits (atexit callbacks
+    and finalizers run then: a Ctrl-C arriving there would print a traceback, with nothing left to stop)."""
+    try:
+        code = main()
+    except KeyboardInterrupt:  # one that came outside the command's own handling (e.g. while parsing arguments)
+        print("k3: interrupted", file=sys.stderr)
+        code = 130
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return code

@@ -1,7 +1,12 @@
 """k3 chat: an interactive multi-turn chat in the terminal, in the tokenizer's chat format (k3.chat).
 
 Ctrl-C while a reply streams stops that reply (the request is cancelled in the engine) and keeps what was
-printed of it in the conversation; Ctrl-C or Ctrl-D (or an empty line) at the prompt ends the chat.
+printed of it in the conversation; Ctrl-D or an empty line at the prompt ends the chat (status 0), Ctrl-C there
+ends it with status 130, as every k3 command interrupted. A line that is not UTF-8 text is refused with the byte
+named, and the prompt comes back: the conversation goes on.
+
+Input is read from the file descriptor with ``select`` and a short timeout, not one blocking ``read``: a Ctrl-C
+that the kernel hands to another thread (the engine's, or a torch worker) is then still seen at the prompt.
 
 ``--image PATH`` (repeatable) puts images before the first message's text (a checkpoint with a vision tower:
 k3.vision); they stay in the conversation, and the prefix cache keeps them encoded across turns.
@@ -9,11 +14,13 @@ k3.vision); they stay in the conversation, and the prefix cache keeps them encod
 
 from __future__ import annotations
 
+import os
+import select
 import sys
 from pathlib import Path
 
 from ..inference.load import load_for_inference
-from .common import add_device_argument, add_verify_argument
+from .common import add_device_argument, add_verify_argument, utf8_error
 from .generate import ReplyInterrupted, add_sampling_arguments, make_engine, sampling_from_args
 
 HELP = "chat with a checkpoint in the terminal (multi-turn; earlier turns hit the prefix cache)"
@@ -30,15 +37,51 @@ def add_arguments(p) -> None:
     add_verify_argument(p)
 
 
+class LineReader:
+    """Lines of ``stdin`` as bytes, read from its file descriptor in select-timed waits (the Python signal handler
+    runs between them); a stream without one (a test's StringIO) is read with its own ``readline``."""
+
+    POLL_S = 0.2
+
+    def __init__(self, stdin):
+        self.stdin, self.pending, self.eof = stdin, b"", False
+        try:
+            self.fd = stdin.fileno()
+        except (AttributeError, OSError, ValueError):
+            self.fd = None
+
+    def readline(self) -> bytes | str:
+        if self.fd is None:  # the bytes under a text stream, when it has them: decoding is ours to report
+            return self.stdin.buffer.readline() if hasattr(self.stdin, "buffer") else self.stdin.readline()
+        while b"\n" not in self.pending and not self.eof:
+            if select.select([self.fd], [], [], self.POLL_S)[0]:
+                chunk = os.read(self.fd, 65536)
+                self.eof = not chunk
+                self.pending += chunk
+        cut = self.pending.find(b"\n") + 1 or len(self.pending)
+        line, self.pending = self.pending[:cut], self.pending[cut:]
+        return line
+
+
 def _read_line(stdin, stdout) -> str | None:
-    """The user's next message, or None to quit (an empty line, Ctrl-D, Ctrl-C)."""
-    stdout.write("> ")
-    stdout.flush()
-    try:
-        line = stdin.readline()
-    except KeyboardInterrupt:
-        stdout.write("\n")
-        return None
+    """The user's next message, or None to quit (an empty line, Ctrl-D). Ctrl-C here raises KeyboardInterrupt
+    (the chat ends with status 130). A line that is not UTF-8 is refused and asked for again."""
+    while True:
+        stdout.write("> ")
+        stdout.flush()
+        try:
+            line = stdin.readline()
+        except KeyboardInterrupt:
+            stdout.write("\n")
+            stdout.flush()
+            raise
+        why = utf8_error(line)
+        if why is None:
+            break
+        stdout.write(f"(not sent: that line is not UTF-8 text ({why}); check the terminal's encoding, e.g. "
+                     "LANG=C.UTF-8, and type it again)\n")
+    if isinstance(line, bytes):
+        line = line.decode("utf-8")
     return line.rstrip("\n") if line.strip() else None
 
 
@@ -100,8 +143,9 @@ def run(args, stdin=sys.stdin, stdout=sys.stdout) -> int:
     engine.start()
     messages = [{"role": "system", "content": args.system}] if args.system else []
     stdout.write("k3 chat: type a message; Ctrl-C stops a reply; an empty line, Ctrl-D or Ctrl-C here quits\n")
+    reader = LineReader(stdin)
     try:
-        while (line := _read_line(stdin, stdout)) is not None:
+        while (line := _read_line(reader, stdout)) is not None:
             messages.append({"role": "user", "content": [*images, {"type": "text", "text": line}] if images else line})
             images = []
             try:

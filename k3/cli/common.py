@@ -100,3 +100,21 @@ def add_verify_argument(p) -> None:
 
 def config_from_args(args) -> K3Config:
     return K3Config.from_hf(args.config) if args.config else K3Config.preset(args.preset)
+
+
+def utf8_error(line: bytes | str) -> str | None:
+    """Why ``line`` is not UTF-8 text (the first bad byte and its position), or None. A str holds the bytes Python
+    could not decode as lone surrogates (its ``surrogateescape`` reading of stdin and argv)."""
+    if isinstance(line, str):
+        try:
+            line.encode("utf-8")
+            return None
+        except UnicodeEncodeError as e:
+            c = ord(line[e.start])
+            byte = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"a lone surrogate \\u{c:04x}"
+            return f"{byte} at character {e.start + 1}"
+    try:
+        line.decode("utf-8")
+        return None
+    except UnicodeDecodeError as e:
+        return f"byte 0x{line[e.start]:02x} at byte {e.start + 1}"

@@ -16,7 +16,7 @@ HELP = "train the tiny K3 on the embedded standard-library corpus for a few minu
 
 DEMO = TrainConfig(out="runs/demo", preset="tiny", data_max_bytes=12_000_000, tokenizer_bytes=3_000_000,
                    vocab_size=2048, steps=500, batch_size=8, seq_len=256, lr=3e-3, eval_every=50, eval_batches=8,
-                   log_every=10, save_every=500, device="auto")
+                   log_every=10, device="auto")
 
 
 def add_arguments(p) -> None:

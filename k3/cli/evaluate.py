@@ -37,17 +37,29 @@ def _tasks(args, model, tok) -> dict:
     return {"results": out["results"]}
 
 
+def _read_text(path: Path) -> str:
+    """--text's file: one UTF-8 text file; a directory, a missing path, a binary or non-UTF-8 file is refused
+    naming it and what to give instead."""
+    from ..data.corpus import read_text_file
+
+    if path.is_dir():
+        raise IsADirectoryError(f"--text {path} is a directory; give one UTF-8 text file (run k3 eval once per file, "
+                                "or concatenate them: cat DIR/*.txt > all.txt)")
+    if not path.exists():
+        raise FileNotFoundError(f"--text {path}: no such file")
+    return read_text_file(path, name=f"--text {path}", want="--text takes one UTF-8 text file")
+
+
 def run(args) -> int:
     from ..eval.scoring import score_text
     from ..inference.load import load_for_inference
     from ..train.loop import resolve_device
 
+    text = _read_text(Path(args.text)) if args.text else None  # before the model loads: a bad file fails fast
     model, tok = load_for_inference(args.checkpoint, resolve_device(args.device))
     if args.text:
         path = Path(args.text)
-        if not path.is_file():
-            raise FileNotFoundError(f"--text {path}: no such file")
-        s = score_text(model, tok, path.read_text(encoding="utf-8"), max_length=args.max_length)
+        s = score_text(model, tok, text, max_length=args.max_length)
         result = {"text": str(path), **s.as_dict()}
         print(f"{path}: {s.tokens} tokens, {s.bytes} bytes | loss {s.loss:.4f} nats/token | perplexity "
               f"{s.perplexity:.3f} | {s.bits_per_byte:.4f} bits/byte")

@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 
 from ..inference.load import load_for_inference
-from .common import add_device_argument, add_verify_argument, int_at_least, number, positive_int, seed
+from .common import (add_device_argument, add_verify_argument, int_at_least, number, positive_int, seed,
+                     utf8_error)
 
 HELP = "sample a continuation of --prompt from a checkpoint (streams to stdout)"
 
@@ -102,6 +103,9 @@ def generate_text(model, tok, prompt: str, max_tokens: int, temperature: float =
 def run(args) -> int:
     from ..train.loop import resolve_device
 
+    if (why := utf8_error(args.prompt)) is not None:
+        raise ValueError(f"--prompt is not UTF-8 text ({why}, as the shell passed it); give UTF-8 text: check the "
+                         "terminal's or the file's encoding (e.g. iconv -t utf-8), or LANG=C.UTF-8")
     params = sampling_from_args(args)
     model, tok = load_for_inference(args.checkpoint, resolve_device(args.device), verify=args.verify,
                                     packed_experts=args.packed_experts)

@@ -17,7 +17,7 @@ from .train import add_train_arguments, config_from_args, report, run_training
 HELP = "fine-tune on chat data (JSONL of messages), the loss on the assistant's tokens only"
 
 SFT = TrainConfig(out=None, chat=True, steps=300, batch_size=8, seq_len=512, lr=1e-3, eval_every=50, log_every=10,
-                  save_every=100, warmup_frac=0.05)
+                  warmup_frac=0.05)
 
 
 def add_arguments(p) -> None:

@@ -36,7 +36,11 @@ def add_train_arguments(p, defaults: TrainConfig) -> None:
     p.add_argument("--qk-clip", type=number(0), default=d.qk_clip_tau, metavar="TAU", help="0 disables QK-clip")
     p.add_argument("--eval-every", type=positive_int, default=d.eval_every, help="validation loss every N steps")
     p.add_argument("--log-every", type=positive_int, default=d.log_every, help="a metrics line every N steps")
-    p.add_argument("--save-every", type=positive_int, default=d.save_every, help="a checkpoint every N steps")
+    p.add_argument("--save-every", type=positive_int, default=d.save_every,
+                   help="a checkpoint every N steps (default: every 10%% of --steps)")
+    p.add_argument("--save-minutes", type=number(0), default=d.save_minutes, metavar="MINUTES",
+                   help="also a checkpoint once this many minutes have passed since the last one, whichever comes "
+                   "first (0 = only by steps): a killed run loses at most this much")
     p.add_argument("--seed", type=seed, default=d.seed, help="model init, data order and split")
     add_device_argument(p, d.device)
     p.add_argument("--kda-backend", choices=["auto", "torch", "fla"], default=d.kda_backend,
@@ -77,7 +81,7 @@ def config_from_args(args, base: TrainConfig) -> TrainConfig:
         doc_chars=args.doc_chars, balance=args.balance, mtp_weight=args.mtp_weight, qk_clip_tau=args.qk_clip or None,
         eval_every=args.eval_every, log_every=args.log_every, save_every=args.save_every, seed=args.seed,
         device=args.device, kda_backend=args.kda_backend, memory_policy=args.memory_policy, compile=args.compile,
-        cuda_graph=args.cuda_graph, packing=args.packing,
+        cuda_graph=args.cuda_graph, packing=args.packing, save_minutes=args.save_minutes,
         stop_after=args.stop_after, dp=args.dp, cp=args.cp, ep=args.ep, verify=args.verify, qat=args.qat,
         init_from=args.init_from, chat=base.chat)
 
@@ -93,7 +97,7 @@ def interrupted_message(out: str, e: KeyboardInterrupt) -> str:
 
     ckpt = getattr(e, "checkpoint", None) or find_checkpoint(out)
     if ckpt is None:
-        return f"interrupted before the first checkpoint (see --save-every); nothing saved in {out}"
+        return f"interrupted before the first checkpoint (see --save-every, --save-minutes); nothing saved in {out}"
     step = getattr(e, "step", None) or read_step(ckpt)
     return f"interrupted; the checkpoint of step {step} is in {ckpt}: run the same command again to resume from it"
 

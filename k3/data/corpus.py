@@ -45,7 +45,47 @@ def _walk(root: Path, suffixes: tuple[str, ...], skip_dirs=frozenset(), skip_hid
 
 
 def _read(path: Path) -> str:
+    """The standard library's sources: a few are in other encodings, read with replacement characters."""
     return path.read_text(encoding="utf-8", errors="replace")
+
+
+DATA_IS_TEXT = "--data takes UTF-8 text: a text file, a .jsonl file or a directory of text files"
+
+
+def read_text_file(path: Path, name: str | None = None, want: str = DATA_IS_TEXT) -> str:
+    """A user's text file, which must be UTF-8 text: a binary file (NUL bytes) or one in another encoding is
+    refused naming the file (``name``, default its path), the first offending byte and ``want``, what to give,
+    never read as replacement characters."""
+    data = path.read_bytes()
+    where = name or str(path)
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ValueError(f"{where} is a binary file, not text (a NUL byte at offset {nul}); {want}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); convert it, "
+                         f"e.g. iconv -f latin1 -t utf-8 {path} > {path.stem}.utf8{path.suffix}; {want}") from None
+
+
+def check_unicode(value, where: str, field: str = "") -> None:
+    """Refuse a lone surrogate (``"\\ud800"`` in JSON) anywhere in ``value``'s strings, naming ``where`` (file:line)
+    and the field: such a string is not Unicode text and cannot be encoded to UTF-8 for the tokenizer."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            at = f' in "{field}"' if field else ""
+            raise ValueError(f"{where}: a lone surrogate \\u{ord(value[e.start]):04x}{at} (at character {e.start}) "
+                             "is not Unicode text; remove that escape or write the character it was meant to be "
+                             "(a pair such as \\ud83d\\ude00 is fine)") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_unicode(k, where, field)
+            check_unicode(v, where, f"{field}.{k}" if field else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_unicode(v, where, f"{field}[{i}]")
 
 
 def stdlib_documents(max_bytes: int | None = None) -> list[Document]:
@@ -143,38 +183,47 @@ def load_documents(path: str | os.PathLike, max_chars: int | None = None) -> lis
         raise FileNotFoundError(f"corpus path {str(path)!r} does not exist; expected a text file, a .jsonl file "
                                 "or a directory of text files")
     if path.is_dir():
-        docs = [Document(rel, t) for rel in _walk(path, TEXT_SUFFIXES, skip_hidden=True) if (t := _read(path / rel))]
+        docs = [Document(rel, t) for rel in _walk(path, TEXT_SUFFIXES, skip_hidden=True)
+                if (t := read_text_file(path / rel))]
         if not docs:
             raise ValueError(f"directory {str(path)!r} holds no non-empty text files; expected files ending in "
                              f"{', '.join(TEXT_SUFFIXES)} (searched recursively, hidden entries skipped)")
     elif path.suffix == ".jsonl":
         docs = _load_jsonl(path)
     else:
-        text = _read(path)
+        text = read_text_file(path)
         if not text:
             raise ValueError(f"corpus file {str(path)!r} is empty; give a file with text in it")
         docs = [Document(path.name, text)]
     return [piece for d in docs for piece in _split(d, max_chars)]
 
 
-def jsonl_objects(path: Path, example: str, errors: str = "strict"):
-    """(line number, "path:line", object) of each non-blank line of a JSONL file; a line that is no JSON is
-    refused naming it and ``example``, what a line should look like."""
-    with open(path, encoding="utf-8", errors=errors) as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+def jsonl_objects(path: Path, example: str):
+    """(line number, "path:line", object) of each non-blank line of a JSONL file; a line that is not UTF-8, no
+    JSON, or holds a lone surrogate escape is refused naming its file:line (and ``example``, what a line should
+    look like)."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"
             try:
-                yield lineno, where, json.loads(line)
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                                 "a JSONL file must be UTF-8: fix or remove that line") from None
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not valid JSON ({e.msg}); each line must be an object like "
                                  f"{example}") from None
+            check_unicode(obj, where)
+            yield lineno, where, obj
 
 
 def _load_jsonl(path: Path) -> list[Document]:
     docs = []
-    for lineno, where, obj in jsonl_objects(path, '{"text": "..."}', errors="replace"):
+    for lineno, where, obj in jsonl_objects(path, '{"text": "..."}'):
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             got = (f"a JSON {type(obj).__name__}" if not isinstance(obj, dict) else
                    "no \"text\" field" if "text" not in obj else f'"text" of type {type(obj["text"]).__name__}')

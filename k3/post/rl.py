@@ -190,7 +190,7 @@ def rl_train(cfg: RLConfig, plan: TrainingPlan, tasks: dict | None = None, log=p
                                                    "rl_config": cfg.to_json()}, indent=2) + "\n")
     step, end = trainer.step_count, min(tcfg.steps, tcfg.stop_after or tcfg.steps)
     rollout = Rollout(model, tok, fmt.stop, cfg.max_tokens, version=step, dtype=cfg.rollout_dtype)  # one engine
-    last = {}
+    last, last_save = {}, time.time()
     while step < end:
         t0 = time.time()
         for _ in range(cfg.prompts):
@@ -242,7 +242,8 @@ def rl_train(cfg: RLConfig, plan: TrainingPlan, tasks: dict | None = None, log=p
                          if k in ("step", "reward", "accuracy", "clip_frac", "groups", "carried", "step_s")
                          or k.startswith("eval_accuracy")))
         last = rec
-        if step % tcfg.save_every == 0 or step == end:
+        if tcfg.save_due(step, end, (time.time() - last_save) / 60):
+            last_save = time.time()
             extra = {"rl": {"next_group": next_group, "budget": {k: [v.a, v.b] for k, v in lines.items()},
                             "groups": [{**g, "problem": dataclasses.asdict(g["problem"]),
                                         "trajs": [t.to_dict() for t in g["trajs"]]} for g in groups.values()]}}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from ..data import PackedDataset
 from ..data.packing import count_targets, media_inputs
 from . import data as run_data
 from .interrupt import StopRequest, TrainingInterrupted
+from .lock import RunLock
 from .metrics import MetricsLog, Progress, moe_layer_labels, read_metrics
 from .plan import TrainingPlan
 from .state import check_resumable, find_checkpoint
@@ -31,6 +33,10 @@ MIN_SEQ_LEN = 4  # shorter samples can hold no next-token or MTP target at all (
 MINIMUMS = {"steps": 1, "batch_size": 1, "seq_len": MIN_SEQ_LEN, "grad_accum": 1, "eval_every": 1, "eval_batches": 1,
             "log_every": 1, "save_every": 1, "data_max_bytes": 1, "doc_chars": 1, "tokenizer_bytes": 1,
             "stop_after": 1, "dp": 1, "cp": 1, "ep": 1}
+# the default checkpoint cadence: every SAVE_FRACTION of --steps (when --save-every is not given), and in any case
+# once SAVE_MINUTES have passed since the last checkpoint, whichever comes first: a killed run loses at most that
+SAVE_FRACTION = 0.1
+SAVE_MINUTES = 30.0
 DOC_CHARS_PER_TOKEN = 8  # default --doc-chars: 8 x seq_len characters (about two samples of text), at least 8192
 
 
@@ -61,7 +67,8 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 8
     log_every: int = 10
-    save_every: int = 500
+    save_every: int | None = None  # a checkpoint every N steps (None: every SAVE_FRACTION of the steps)
+    save_minutes: float = SAVE_MINUTES  # ... and once this many minutes have passed since the last (0 = never)
     seed: int = 0
     device: str = "auto"
     kda_backend: str = "auto"
@@ -89,7 +96,7 @@ class TrainConfig:
             need(v is None or v >= lo, name, f"must be >= {lo}")
         finite = lambda name: math.isfinite(getattr(self, name))  # noqa: E731
         need(finite("lr") and self.lr > 0, "lr", "must be a positive number")
-        for name in ("weight_decay", "mtp_weight", "grad_clip"):
+        for name in ("weight_decay", "mtp_weight", "grad_clip", "save_minutes"):
             need(finite(name) and getattr(self, name) >= 0, name, "must be a number >= 0")
         need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
         need(0 <= self.warmup_frac < 1, "warmup_frac", "must be in [0, 1)")
@@ -99,6 +106,17 @@ class TrainConfig:
         need(self.packing in ("documents", "stream"), "packing", "must be documents or stream")
         need(not (self.chat and self.packing == "stream"), "packing",
              "must be documents for chat data (a stream would let one conversation attend to another)")
+
+    @property
+    def save_interval(self) -> int:
+        """Steps between checkpoints: ``save_every``, or by default a tenth of the run (at least 1)."""
+        return self.save_every or max(1, math.ceil(self.steps * SAVE_FRACTION))
+
+    def save_due(self, step: int, end: int, minutes_since_save: float) -> bool:
+        """Whether to checkpoint after ``step``: on the step interval, at the run's last step, or when
+        ``save_minutes`` have passed since the last checkpoint (the first of these)."""
+        return (step % self.save_interval == 0 or step == end
+                or (self.save_minutes > 0 and minutes_since_save >= self.save_minutes))
 
     @property
     def max_doc_chars(self) -> int:
@@ -186,15 +204,64 @@ def _already_complete(run: Path, ckpt: Path, done: int, cfg: TrainConfig, log) -
             "run": str(run), "params": info.get("params"), "already_complete": True}
 
 
+def _agreed_minutes(plan: TrainingPlan, since: float) -> float:
+    """Minutes since ``since`` (a monotonic time), the same on every rank (their mean): a save is collective, so
+    all ranks must decide it alike."""
+    minutes = (time.monotonic() - since) / 60
+    if plan.world == 1:
+        return minutes
+    return float(plan.mean(torch.tensor(minutes, device=plan.device)).item())
+
+
 def _train(cfg: TrainConfig, plan: TrainingPlan, log, stop: StopRequest, prepare) -> dict:
     run = Path(cfg.out)
     rank, world = plan.rank, plan.world
     if world != cfg.dp * cfg.cp * cfg.ep:
         raise ValueError(f"--dp {cfg.dp} x --cp {cfg.cp} x --ep {cfg.ep} ranks but {world} process(es) are running: "
                          f"start them under `torchrun --nproc_per_node N -m k3 train ...` with N = dp x cp x ep")
+    created = False
     if rank == 0:
-        run.mkdir(parents=True, exist_ok=True)
+        try:
+            run.mkdir(parents=True)
+            created = True
+        except FileExistsError:
+            if not run.is_dir():
+                raise NotADirectoryError(f"--out {run}: exists and is not a directory; give a directory") from None
     plan.barrier()
+    lock = RunLock(run, log) if rank == 0 else None
+    if lock is not None:
+        try:
+            lock.acquire()
+        except BaseException:
+            _remove_if_unused(run, created)
+            raise
+    try:
+        return _train_locked(cfg, plan, log, stop, prepare, run)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+            lock = None
+            _remove_if_unused(run, created)
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _remove_if_unused(run: Path, created: bool) -> None:
+    """A run directory this process made, whose run failed before its first checkpoint and first metrics line,
+    holds nothing of value (a tokenizer, run_info.json, an empty log): removed, so a failed command leaves no empty
+    --out behind. A directory that existed before, or holds a checkpoint or logged steps, is kept."""
+    if not created or find_checkpoint(run) is not None:
+        return
+    metrics = run / "metrics.jsonl"
+    if metrics.exists() and metrics.stat().st_size > 0:
+        return
+    shutil.rmtree(run, ignore_errors=True)
+
+
+def _train_locked(cfg: TrainConfig, plan: TrainingPlan, log, stop: StopRequest, prepare, run: Path) -> dict:
+    rank = plan.rank
     device = plan.device
     if rank != 0:
         log = _quiet
@@ -234,6 +301,7 @@ def _train(cfg: TrainConfig, plan: TrainingPlan, log, stop: StopRequest, prepare
     t_last, tok_last = time.time(), trainer.tokens
     end = min(cfg.steps, cfg.stop_after) if cfg.stop_after else cfg.steps
     stopping = False
+    last_save = time.monotonic()
     stop.arm()
     while step < end:
         logging = (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps
@@ -250,8 +318,9 @@ def _train(cfg: TrainConfig, plan: TrainingPlan, log, stop: StopRequest, prepare
             progress.update(step, rec, force="val_loss" in rec)
         last = rec
         stopping = stop.requested and step < end  # read once: the checkpoint is of the step the run stops at
-        if step % cfg.save_every == 0 or step == end or stopping:
+        if cfg.save_due(step, end, _agreed_minutes(plan, last_save)) or stopping:
             trainer.save(run, run / "tokenizer.json", {"data": train_set.state_dict()}, cfg.to_json())
+            last_save = time.monotonic()
         if stopping:
             break
     if progress is not None:

@@ -1,11 +1,20 @@
-"""Run metrics: one JSON object per logged step in ``RUN/metrics.jsonl``, and a one-line progress display."""
+"""Run metrics: one JSON object per logged step in ``RUN/metrics.jsonl``, and a one-line progress display.
+
+Each record is appended with one ``write`` system call on an O_APPEND descriptor, so a process killed between
+steps never leaves half a line; a kill inside that call (or a full disk, a power cut) can still tear the last
+line. Readers (``read_metrics``, the resume) then ignore that last line with a warning naming the file; a line
+that does not parse anywhere else means the file was damaged, and is refused with its file:line.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
+
+from ..atomic import write_text_atomic
 
 
 class MetricsLog:
@@ -13,15 +22,18 @@ class MetricsLog:
         self.path = Path(path)
         if truncate_after_step is not None and self.path.exists():
             # on resume, drop lines written after the checkpoint so the log reads like one uninterrupted run
-            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip()
-                    and json.loads(ln).get("step", 0) <= truncate_after_step]
-            self.path.write_text("".join(ln + "\n" for ln in keep))
+            keep = [json.dumps(r) for r in read_metrics(self.path) if r.get("step", 0) <= truncate_after_step]
+            write_text_atomic(self.path, "".join(ln + "\n" for ln in keep))
         elif truncate_after_step is None:
-            self.path.write_text("")
+            write_text_atomic(self.path, "")
 
     def write(self, record: dict) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        data = (json.dumps(record) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            os.write(fd, data)  # one call: the line is whole in the file or absent
+        finally:
+            os.close(fd)
 
 
 def moe_layer_labels(model) -> list[str]:
@@ -44,7 +56,24 @@ def read_metrics(path: Path) -> list[dict]:
         path = path / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"no metrics.jsonl at {path}: is this a k3 train/demo output directory?")
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    numbered = [(i, ln) for i, ln in enumerate(lines, start=1) if ln.strip()]
+    records = []
+    for k, (lineno, ln) in enumerate(numbered):
+        try:
+            rec = json.loads(ln)
+        except json.JSONDecodeError as e:
+            if k == len(numbered) - 1:  # a torn last line: the run was killed while writing it
+                print(f"warning: {path}:{lineno}: the last line is incomplete (a run killed while writing it?); "
+                      "ignoring it", file=sys.stderr)
+                break
+            raise ValueError(f"{path}:{lineno}: not a JSON metrics record ({e.msg}); the file is damaged: delete "
+                             "or fix that line (each line is one step's JSON object)") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}:{lineno}: a JSON {type(rec).__name__}, not a metrics record (an object); "
+                             "delete or fix that line")
+        records.append(rec)
+    return records
 
 
 class Progress:

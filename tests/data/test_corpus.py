@@ -121,3 +121,30 @@ def test_long_files_become_several_documents(tmp_path):
     rows.write_text(json.dumps({"text": text, "id": "long"}) + "\n" + json.dumps({"text": "short"}) + "\n")
     docs = load_documents(rows, max_chars=2000)
     assert docs[0].id == "long#0" and docs[-1] == Document("rows.jsonl:2", "short")
+
+
+def test_binary_and_non_utf8_data_is_refused_naming_the_file(tmp_path):
+    """Random bytes or an executable would train on replacement characters; the file is named with what to do."""
+    blob = tmp_path / "model.bin"
+    blob.write_bytes(bytes(range(256)) * 40)
+    with pytest.raises(ValueError, match=r"model.bin is a binary file, not text \(a NUL byte at offset 0\); "
+                                         "--data takes UTF-8 text"):
+        load_documents(blob)
+    latin = tmp_path / "d" / "sub" / "old.txt"
+    latin.parent.mkdir(parents=True)
+    latin.write_bytes("café\n".encode("latin1"))
+    (tmp_path / "d" / "good.txt").write_text("fine text\n")
+    with pytest.raises(ValueError, match=r"old.txt is not UTF-8 text \(byte 0xe9 at offset 3\); convert it, e.g. "
+                                         "iconv -f latin1 -t utf-8"):
+        load_documents(tmp_path / "d")  # one bad file in a directory is named, not silently replaced
+
+
+def test_jsonl_encoding_errors_and_lone_surrogates_name_file_and_line(tmp_path):
+    p = tmp_path / "c.jsonl"
+    p.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"c.jsonl:2: not UTF-8 text \(byte 0xe9 at column 14\)"):
+        load_documents(p)
+    p.write_text('{"text": "fine"}\n\n{"text": "a \\ud83d\\ude00 pair is fine"}\n{"text": "lone \\ud800 here"}\n')
+    with pytest.raises(ValueError, match=r'c.jsonl:4: a lone surrogate \\ud800 in "text" \(at character 5\) is not '
+                                         "Unicode text; remove that escape"):
+        load_documents(p)

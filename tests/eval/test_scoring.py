@@ -81,3 +81,17 @@ def test_k3_eval_text(setup, tmp_path, capsys):
     assert math.isclose(got["bits_per_byte"], score_text(model, tok, TEXT, max_length=16).bits_per_byte,
                         rel_tol=1e-6)
     assert main(["eval", "--checkpoint", str(ck), "--text", str(tmp_path / "missing.txt")]) == 1
+
+
+def test_k3_eval_names_a_binary_file_a_non_utf8_file_and_a_directory(setup, tmp_path, capsys):
+    ck = setup[2]
+    blob, latin = tmp_path / "a.bin", tmp_path / "old.txt"
+    blob.write_bytes(b"\x7fELF\x02\x01\x01\x00" * 64)
+    latin.write_bytes("café".encode("latin1"))
+    for path, said in ((blob, f"--text {blob} is a binary file, not text (a NUL byte at offset 7); --text takes one "
+                              "UTF-8 text file"),
+                       (latin, f"--text {latin} is not UTF-8 text (byte 0xe9 at offset 3); convert it, e.g. iconv"),
+                       (tmp_path, f"--text {tmp_path} is a directory; give one UTF-8 text file")):
+        assert main(["eval", "--checkpoint", str(ck), "--text", str(path)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"k3 eval: error: {said}") and len(err.splitlines()) == 1, err

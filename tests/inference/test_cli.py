@@ -76,7 +76,9 @@ def test_ctrl_c_during_a_reply_stops_that_reply_only(monkeypatch):
     assert out.getvalue().count("> ") == 3  # the second reply was answered, then the empty line quit
 
 
-def test_ctrl_c_at_the_prompt_quits():
+def test_ctrl_c_at_the_prompt_interrupts_and_ctrl_d_quits():
+    import pytest
+
     class CtrlCStdin(io.StringIO):
         def readline(self, *a):
             raise KeyboardInterrupt
@@ -84,8 +86,42 @@ def test_ctrl_c_at_the_prompt_quits():
     out = io.StringIO()
     from k3.cli.chat import _read_line
 
-    assert _read_line(CtrlCStdin(), out) is None and out.getvalue() == "> \n"
+    with pytest.raises(KeyboardInterrupt):  # k3's main turns it into "k3 chat: interrupted" and status 130
+        _read_line(CtrlCStdin(), out)
+    assert out.getvalue() == "> \n"
     assert _read_line(io.StringIO(""), out) is None  # Ctrl-D
+
+
+def test_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(tmp_path):
+    ck = make_checkpoint(tmp_path)
+    args = argparse.Namespace(checkpoint=str(ck), system=None, max_tokens=3, temperature=0.0, top_k=0,
+                              top_p=1.0, seed=0, device="cpu", verify=True)
+    out = io.StringIO()
+    stdin = io.TextIOWrapper(io.BytesIO(b"hi\n\xff\xfe bad\nmore\n\n"), encoding="utf-8")
+    assert chat.run(args, stdin=stdin, stdout=out) == 0
+    text = out.getvalue()
+    assert "(not sent: that line is not UTF-8 text (byte 0xff at byte 1)" in text
+    assert text.count("> ") == 4  # hi answered, the bad line asked again, more answered, the empty line quit
+
+
+def test_a_prompt_that_is_not_utf8_is_refused_naming_the_byte(tmp_path):
+    ck = make_checkpoint(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "k3", "generate", "--checkpoint", str(ck), "--prompt",
+                        os.fsdecode(b"\xffabc")], capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.startswith("k3 generate: error: --prompt is not UTF-8 text (byte 0xff at "
+                                                     "character 1"), r.stderr
+
+
+def test_ctrl_c_while_k3_starts_is_one_line_and_130():
+    """SIGINT while the modules import (as `timeout -s INT` sends it): no traceback, status 130."""
+    p = subprocess.Popen([sys.executable, "-m", "k3", "params", "--preset", "tiny"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while "libtorch" not in open(f"/proc/{p.pid}/maps").read() and time.time() < deadline:
+        time.sleep(0.01)  # until torch is loading: inside `python -m k3`'s imports, before any command runs
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and "Traceback" not in err and "Exception ignored" not in err, err
 
 
 class Terminal:
@@ -145,9 +181,9 @@ def test_k3_chat_ctrl_c_stops_the_reply_and_the_next_prompt_works(tmp_path):
         t.wait_for(lambda out: not out.endswith("> "))  # the reply is streaming
         t.ctrl_c()
         t.wait_for(lambda out: out.count(" [stopped]\n> ") == turn)
-    t.ctrl_c()  # at the prompt: quit
+    t.ctrl_c()  # at the prompt: quit, as an interrupted command
     code, out, err = t.finish()
-    assert code == 0 and "Traceback" not in err and out.endswith("> \n"), (out, err)
+    assert code == 130 and err == "k3 chat: interrupted\n" and out.endswith("> \n"), (out, err)
 
 
 def test_a_changed_byte_is_named_and_no_verify_loads_anyway(tmp_path, capsys):
@@ -220,3 +256,22 @@ def test_chat_and_serve_use_the_checkpoints_chat_format(tmp_path):
                               seed=0, device="cpu", verify=True)
     out = io.StringIO()
     assert chat.run(args, stdin=io.StringIO("hello\n\n"), stdout=out) == 0 and out.getvalue().count("> ") == 2
+
+
+def test_nan_weights_are_refused_naming_the_tensors(tmp_path, capsys):
+    """A diverged run's checkpoint: an error naming the tensors and a non-zero exit, not empty output and 0."""
+    import pytest
+
+    from k3.checkpoint import CheckpointError, load_pretrained
+
+    ck = make_checkpoint(tmp_path)
+    model = load_pretrained(ck)
+    with torch.no_grad():
+        name = next(n for n, p in model.named_parameters() if "layers.2." in n and p.is_floating_point())
+        dict(model.named_parameters())[name][0].fill_(float("inf"))
+    save_pretrained(model, ck)
+    with pytest.raises(CheckpointError, match=r"weight tensor\(s\) hold NaN or inf values \(.*layers\.2\."):
+        load_pretrained(ck)
+    assert main(["generate", "--checkpoint", str(ck), "--prompt", "hello", "--max-tokens", "3"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and "hold NaN or inf values" in err and "Use an earlier checkpoint" in err

@@ -79,3 +79,15 @@ def test_sft_loss_falls_and_the_cli_runs(tmp_path, chat_jsonl, capsys):
     info = json.loads((out / "run_info.json").read_text())
     assert info["train_config"]["chat"] is True
     assert (out / "checkpoint" / "tokenizer.json").exists()
+
+
+def test_a_lone_surrogate_in_chat_data_is_one_line_naming_file_line_and_field(tmp_path, capsys):
+    p = tmp_path / "chat.jsonl"
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    p.write_text(json.dumps(good) + "\n" + json.dumps(good).replace("hello", "\\ud800") + "\n")
+    out = tmp_path / "run"
+    assert main(["sft", "--data", str(p), "--out", str(out), "--steps", "1"]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert f'{p}:2: a lone surrogate \\ud800 in "messages[1].content"' in err
+    assert not out.exists()  # the failed run leaves no empty --out

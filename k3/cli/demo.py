@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 from ..train.loop import TrainConfig
-from .common import add_model_arguments
+from .common import add_model_arguments, add_threads_argument, apply_threads
 from .train import add_train_arguments, config_from_args, run_training
 
 HELP = "train the tiny K3 on the embedded standard-library corpus for a few minutes, plot, and sample"
@@ -22,6 +22,7 @@ DEMO = TrainConfig(out="runs/demo", preset="tiny", data_max_bytes=12_000_000, to
 def add_arguments(p) -> None:
     add_model_arguments(p, default_preset="tiny")
     add_train_arguments(p, DEMO)
+    add_threads_argument(p, 1)
     p.add_argument("--prompt", default="def fibonacci(n):\n", help="text to continue after training")
 
 
@@ -29,6 +30,7 @@ def run(args) -> int:
     from .generate import generate_text, load_for_inference
     from .plot import plot_run
 
+    apply_threads(args)
     cfg = config_from_args(args, DEMO)
     print(f"k3 demo: training the {cfg.preset or cfg.config} K3 for {cfg.steps} steps "
           f"({cfg.batch_size} x {cfg.seq_len} tokens each) on the Python standard library; output in {cfg.out}")

@@ -98,9 +98,16 @@ def _core_main(build: Callable, requests, replies) -> None:
     engine.after_step = flush
     engine.start()
     send(("ready", seconds))
+    last_stats = None
     try:
         while True:
             try:
+                if not requests.poll(STATS_EVERY):  # idle: the last step's stats may be stale (an abort, a finish)
+                    stats = engine.stats()
+                    if stats != last_stats:
+                        last_stats = stats
+                        send(("stats", stats))
+                    continue
                 msg = requests.recv()
             except (EOFError, OSError):  # the server process is gone
                 break
@@ -119,8 +126,6 @@ def _core_main(build: Callable, requests, replies) -> None:
                     engine.abort(rid)
             elif kind == "stop":
                 break
-            if not engine.has_work:
-                flush()  # stats while idle
     finally:
         engine.stop()
         flush()

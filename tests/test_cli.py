@@ -9,6 +9,7 @@ import pytest
 from k3.cli import main
 
 
+@pytest.mark.slow
 def test_params_json(capsys):
     assert main(["params", "--preset", "kimi-k3", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
@@ -37,6 +38,7 @@ def test_errors_are_reported_not_raised(tmp_path, capsys):
     assert "hidden_size" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_python_dash_m_entry_point():
     r = subprocess.run([sys.executable, "-m", "k3", "params", "--preset", "tiny"], capture_output=True, text=True)
     assert r.returncode == 0 and "TOTAL" in r.stdout
@@ -107,6 +109,7 @@ def test_bad_files_and_devices_are_named(capsys, tmp_path):
     assert "tokenizer.json is not a valid tokenizer.json" in one_line_error(capsys, argv, 1)
 
 
+@pytest.mark.slow
 def test_k3_debug_shows_the_traceback(tmp_path):
     argv = [sys.executable, "-m", "k3", "params", "--config", str(tmp_path / "missing.json")]
     quiet = subprocess.run(argv, capture_output=True, text=True)
@@ -115,6 +118,7 @@ def test_k3_debug_shows_the_traceback(tmp_path):
     assert loud.returncode == 1 and "Traceback (most recent call last)" in loud.stderr
 
 
+@pytest.mark.slow
 def test_a_closed_pipe_is_silent():
     """`k3 params ... | head`: the reader is gone before k3 writes; k3 says nothing and exits 141 (SIGPIPE)."""
     p = subprocess.Popen([sys.executable, "-m", "k3", "params", "--preset", "kimi-k3"], stdout=subprocess.PIPE,

@@ -57,6 +57,7 @@ def demo_dir(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("code", examples())
 def test_readme_example_runs(code, demo_dir):
     r = subprocess.run([sys.executable, "-c", code], cwd=demo_dir, capture_output=True, text=True, timeout=300)

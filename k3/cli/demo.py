@@ -3,13 +3,17 @@
 Trains the ``tiny`` K3 (every mechanism: KDA + MLA, Block AttnRes, Stable LatentMoE with Quantile Balancing,
 MTP, Muon) on the Python standard library's source, prints the validation loss as it falls, saves the
 checkpoint and a loss plot, and samples a continuation.
+
+It runs on one CPU thread (``--threads 1``): the tiny model's ops take 20-200 us each, so splitting each over
+cores costs more in the threads' hand-off than it saves, and on a shared machine a thread waiting for a busy core
+stalls every op (one training step on a loaded 2-core CPU: 0.5-1.0 s with one thread, 9-17 s with two).
 """
 
 from __future__ import annotations
 
 
 from ..train.loop import TrainConfig
-from .common import add_model_arguments
+from .common import add_model_arguments, add_threads_argument, apply_threads
 from .train import add_train_arguments, config_from_args, run_training
 
 HELP = "train the tiny K3 on the embedded standard-library corpus for a few minutes, plot, and sample"
@@ -22,6 +26,7 @@ DEMO = TrainConfig(out="runs/demo", preset="tiny", data_max_bytes=12_000_000, to
 def add_arguments(p) -> None:
     add_model_arguments(p, default_preset="tiny")
     add_train_arguments(p, DEMO)
+    add_threads_argument(p, 1)
     p.add_argument("--prompt", default="def fibonacci(n):\n", help="text to continue after training")
 
 
@@ -30,6 +35,7 @@ def run(args) -> int:
     from .generate import generate_text
     from .plot import plot_run
 
+    apply_threads(args)
     cfg = config_from_args(args, DEMO)
     print(f"k3 demo: training the {cfg.preset or cfg.config} K3 for {cfg.steps} steps "
           f"({cfg.batch_size} x {cfg.seq_len} tokens each) on the Python standard library; output in {cfg.out}")

@@ -6,8 +6,8 @@ import dataclasses
 import sys
 
 from ..train.loop import MIN_SEQ_LEN, TrainConfig, train
-from .common import (add_device_argument, add_model_arguments, add_verify_argument, int_at_least, number, positive_int,
-                     seed)
+from .common import (add_device_argument, add_model_arguments, add_threads_argument, add_verify_argument, apply_threads,
+                     int_at_least, number, positive_int, seed)
 
 HELP = "train a model (resumes automatically when --out already holds a checkpoint)"
 
@@ -89,6 +89,7 @@ def config_from_args(args, base: TrainConfig) -> TrainConfig:
 def add_arguments(p) -> None:
     add_model_arguments(p, default_preset="tiny")
     add_train_arguments(p, TrainConfig(out=None))
+    add_threads_argument(p, None)
 
 
 def interrupted_message(out: str, e: KeyboardInterrupt) -> str:
@@ -134,5 +135,6 @@ def report(result: dict | None, rank: int, note) -> int:
 
 
 def run(args) -> int:
+    apply_threads(args)
     return report(*run_training(config_from_args(args, TrainConfig(out=args.out))),
                   lambda r: f"unigram entropy {r['unigram_entropy']:.3f} nats")

@@ -35,6 +35,7 @@ def transformers():
     return pytest.importorskip("transformers")
 
 
+@pytest.mark.slow
 def test_from_pretrained_reads_a_directory_transformers_wrote(tmp_path, transformers):
     torch.manual_seed(0)
     hf_cfg = transformers.KimiLinearConfig(**{k: v for k, v in TRANSFORMERS_KIMI_LINEAR.items()
@@ -58,6 +59,7 @@ def test_from_pretrained_reads_a_directory_transformers_wrote(tmp_path, transfor
     assert torch.equal(_greedy(model, x[:1], 4), ref)
 
 
+@pytest.mark.slow
 def test_transformers_loads_what_k3_writes(tmp_path, transformers):
     torch.manual_seed(0)
     model = K3ForCausalLM(KIMI_LINEAR).eval()
@@ -152,6 +154,7 @@ def test_the_mlx_check_catches_what_main_wrote(tmp_path):
 
 # ---- aliases of the K3 release and of other readers -------------------------------------------------------------
 
+@pytest.mark.slow
 def test_every_documented_alias_loads(tmp_path):
     torch.manual_seed(0)
     model = K3ForCausalLM(K3Config.preset("tiny").replace(eos_token_id=0)).eval()
@@ -218,6 +221,7 @@ def test_dequantised_release_is_not_saved_as_quantised(tmp_path):
     assert "quantization_config" not in json.loads((tmp_path / "again" / "config.json").read_text())["text_config"]
 
 
+@pytest.mark.slow
 def test_output_has_attribute_and_dict_access():
     model = K3ForCausalLM(K3Config.preset("tiny")).eval()
     x = torch.randint(0, 1024, (1, 8))

@@ -22,6 +22,7 @@ def logits(m, x):
         return m(x)["logits"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shard", [None, 300_000])
 def test_save_load_round_trip(tmp_path, model, shard):
     kw = {"max_shard_bytes": shard} if shard else {}

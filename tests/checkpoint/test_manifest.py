@@ -67,6 +67,7 @@ def test_a_flipped_byte_in_a_shard_or_the_config_is_named(tmp_path, model):
         load_pretrained(tmp_path)
 
 
+@pytest.mark.slow
 def test_directories_without_a_manifest_load(tmp_path, model):
     """The official release and transformers' save_pretrained write no SHA256SUMS: nothing to verify."""
     save_pretrained(model, tmp_path)

@@ -111,6 +111,7 @@ def _check_all(rank, world):
         ContextParallel(None, 0, 10) if rank == 0 else ContextParallel(None, 20, 30)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @needs_gloo
 def test_context_parallel_model_matches_single_process(tmp_path):

@@ -158,6 +158,7 @@ def _check_all(rank, world):
     _check_errors(rank, world)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", worlds(2, 4))
 def test_expert_parallel_moe_matches_single_process(world, tmp_path):

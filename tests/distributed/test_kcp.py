@@ -208,6 +208,7 @@ def _check_all(rank, world):
     _check_kcp_short_conv(rank, world)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", worlds(2, 4))
 def test_kcp_kda_and_short_conv_match_single_process(world, tmp_path):

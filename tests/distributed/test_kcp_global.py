@@ -99,6 +99,7 @@ def _check_global(rank, world):
         cp_chunk_kda(*xs, torch.tensor([0, T]), impl="fla")
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @needs_gloo
 def test_kcp_global_interface_matches_single_process(tmp_path):

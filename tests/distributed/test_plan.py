@@ -13,6 +13,7 @@ from .gloo import needs_backend
 from .runs import LOAD_ATOL, LOSS_RTOL, ONE, WEIGHT_ATOL, run, torchrun, train_run as _run
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @needs_backend(2)
 def test_dp2_reproduces_the_single_process_loss_curve(tmp_path):
@@ -45,12 +46,14 @@ def test_init_from_env_follows_the_device_argument(monkeypatch):
         init_from_env("cuda:1")
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_dp_refuses_a_mismatched_process_count(tmp_path):
     r = run(ONE + ["--dp", "2"], tmp_path / "x", timeout=300)
     assert r.returncode == 1 and "torchrun --nproc_per_node" in r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @needs_backend(2)
 def test_dp_resume_equals_uninterrupted(tmp_path):
@@ -61,6 +64,7 @@ def test_dp_resume_equals_uninterrupted(tmp_path):
     assert [(r["step"], r["loss"]) for r in resumed] == [(r["step"], r["loss"]) for r in straight]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @needs_backend(2)
 def test_cp2_reproduces_the_single_process_loss_curve(tmp_path):
@@ -76,6 +80,7 @@ def test_cp2_reproduces_the_single_process_loss_curve(tmp_path):
     assert [r["step"] for r in cp] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @needs_backend(2)
 def test_ep2_reproduces_the_single_process_loss_curve_and_saves_full_experts(tmp_path):
@@ -95,6 +100,7 @@ def test_ep2_reproduces_the_single_process_loss_curve_and_saves_full_experts(tmp
     assert worst < WEIGHT_ATOL, (worst, name)  # every weight, MTP and router biases included, after 4 steps (CPU ~1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @needs_backend(2)
 def test_ep2_compiled_reproduces_the_single_process_loss_curve(tmp_path):

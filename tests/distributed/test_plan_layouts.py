@@ -148,6 +148,7 @@ def _check_ep2xcp2(rank, world):
     _check_layout(rank, world, "ep2xcp2")
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @needs_backend(4)
 @pytest.mark.parametrize("check", [_check_dp2xep2, _check_dp2xcp2, _check_ep2xcp2], ids=list(LAYOUTS))
@@ -155,6 +156,7 @@ def test_gradients_equal_one_process(tmp_path, check):
     spawn(check, 4, tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @needs_backend(4)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -171,6 +173,7 @@ def test_torchrun_reproduces_the_single_process_loss_curve_and_checkpoint(tmp_pa
     assert_same_checkpoint(tmp_path / "one" / "checkpoint", tmp_path / "mesh" / "checkpoint", 4)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_layout_refuses_a_mismatched_process_count(tmp_path):
     r = run(ONE + ["--dp", "2", "--ep", "2"], tmp_path / "x", timeout=300)

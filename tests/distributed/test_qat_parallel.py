@@ -45,6 +45,7 @@ def _check(rank, world):
         compare_gradients(par, model, batch, w, ref, ref_grads, rank, tag=f" {name} qat")
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @needs_backend(2)
 def test_qat_under_dp2_ep2_and_cp2_equals_one_process(tmp_path):

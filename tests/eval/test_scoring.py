@@ -35,6 +35,7 @@ def _direct(model, tokens, n, greedy=False):
     return (lp, [int(logp[i - 1].argmax()) == tokens[i] for i in range(len(tokens) - n, len(tokens))]) if greedy else lp
 
 
+@pytest.mark.slow
 def test_packed_scoring_equals_one_forward_per_sequence(setup):
     model, tok, _ = setup
     g = torch.Generator().manual_seed(1)
@@ -71,6 +72,7 @@ def test_score_text_is_the_mean_loss_and_bits_per_byte(setup):
     assert short.tokens == s.tokens and short.nll != s.nll
 
 
+@pytest.mark.slow
 def test_k3_eval_text(setup, tmp_path, capsys):
     model, tok, ck = setup
     (tmp_path / "t.txt").write_text(TEXT)

@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 
+import pytest
 import torch
 
 from k3 import K3Config, K3ForCausalLM
@@ -162,6 +163,7 @@ class Terminal:
         return code, self.out.decode(errors="replace"), self.p.stderr.read().decode()
 
 
+@pytest.mark.slow
 def test_k3_generate_ctrl_c_ends_cleanly(tmp_path):
     ck = make_checkpoint(tmp_path)
     t = Terminal(["generate", "--checkpoint", str(ck), "--prompt", "hello", "--max-tokens", "100000",
@@ -172,6 +174,7 @@ def test_k3_generate_ctrl_c_ends_cleanly(tmp_path):
     assert code == 130 and err == "k3 generate: interrupted\n" and out.startswith("hello") and out.endswith("\n")
 
 
+@pytest.mark.slow
 def test_k3_chat_ctrl_c_stops_the_reply_and_the_next_prompt_works(tmp_path):
     ck = make_checkpoint(tmp_path)
     t = Terminal(["chat", "--checkpoint", str(ck), "--max-tokens", "100000", "--temperature", "0"])

@@ -198,6 +198,7 @@ def test_pages_grow_with_the_sequence_and_kda_state_is_constant(tok):
     assert live[0][1] == 1 and live[-1][1] == 2 and eng.pool.pages_in_use == 0
 
 
+@pytest.mark.slow
 def test_preemption_when_the_pool_is_full_keeps_every_output_exact(tok):
     model = make_model(tok)
     kda = Engine(model, tok, SMALL).layout.kda_pages

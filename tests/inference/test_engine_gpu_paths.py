@@ -88,6 +88,7 @@ def gpu_paths(monkeypatch):
     return calls
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_decode_on_the_gpu_paths_equals_the_full_forward(gpu_paths):
     tok = train_tokenizer(["def f(x):\n    return x\n", "import os\n"] * 30, 300)

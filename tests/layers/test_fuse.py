@@ -16,6 +16,7 @@ VARIANTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_fused_model_equals_the_unfused_one_and_keeps_its_parameters(name):
     torch.manual_seed(0)
@@ -32,6 +33,7 @@ def test_fused_model_equals_the_unfused_one_and_keeps_its_parameters(name):
         torch.testing.assert_close(model(ids)["logits"], ref(ids)["logits"], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_training_after_fusing_updates_what_the_fused_path_reads():
     torch.manual_seed(1)
     model = K3ForCausalLM(VARIANTS["k3"])

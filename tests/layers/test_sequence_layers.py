@@ -8,6 +8,7 @@ from k3.ops.max_logit import causal_max_logit_reference as max_causal_logit
 from k3.ops.varlen import document_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
 def test_kda_decode_token_by_token_equals_full_forward(gate):
     cfg = K3Config.preset("tiny").variant(gate=gate)
@@ -32,6 +33,7 @@ def test_kda_packed_documents_are_independent():
     torch.testing.assert_close(packed[:, 9:], layer(b)[0], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packed", [False, True])
 def test_kda_stacked_inputs_equal_six_projections_and_three_convs(packed, monkeypatch):
     """Without a decode state the layer makes the projections of x in two matmuls and convolves q, k, v as one

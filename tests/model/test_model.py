@@ -22,6 +22,7 @@ def tiny_model(**variant):
     return K3ForCausalLM(K3Config.preset("tiny").variant(**variant)).eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_causal_for_every_variant(name):
     model = tiny_model(**VARIANTS[name])

@@ -128,6 +128,7 @@ def test_depth_stream_with_the_add_in_the_mix_equals_the_plain_stream(monkeypatc
     assert_close("logits", ref, fused, 1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["keep", "efficient"])
 def test_sealed_blocks_sum_their_gradients_in_the_kernel(monkeypatch, policy):
     """A training forward and backward of the tiny model with every mix on the Triton kernels (on CPU through the

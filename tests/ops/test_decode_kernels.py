@@ -80,6 +80,7 @@ def _next_token(inp, seed):
     return inp
 
 
+@pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus"])

@@ -40,6 +40,7 @@ def test_recurrent_matches_explicit_matrix_form():
     torch.testing.assert_close(s, s_ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("B,T,H,K,V,chunk", [(2, 100, 3, 16, 8, 64), (1, 64, 2, 32, 32, 64), (2, 37, 2, 16, 16, 16),
                                              (1, 200, 2, 8, 16, 32)],
                          ids=lambda x: str(x))
@@ -114,6 +115,7 @@ def test_packed_chunk_by_length_groups_matches_the_recurrence(gate_lo, with_stat
         assert_close(n, a, b, 1e-12)
 
 
+@pytest.mark.slow
 def test_gradcheck_float64_chunk_packed():
     q, k, v, g, beta = [x.requires_grad_() for x in make_inputs(1, 13, 1, 3, 2, torch.float64)]
     cu = torch.tensor([0, 3, 11, 13])  # a document across the chunk boundary at 8, one ending the row mid-chunk
@@ -121,6 +123,7 @@ def test_gradcheck_float64_chunk_packed():
                                     (q, k, v, g, beta))
 
 
+@pytest.mark.slow
 def test_gradcheck_float64_chunk():
     q, k, v, g, beta = [x.requires_grad_() for x in make_inputs(1, 11, 1, 4, 3, torch.float64)]
     h0 = torch.randn(1, 1, 4, 3, dtype=torch.float64, requires_grad=True)
@@ -138,6 +141,7 @@ def test_gradcheck_float64_recurrent_packed():
     assert torch.autograd.gradcheck(lambda *a: recurrent_kda(*a, cu_seqlens=cu)[0], (q, k, v, g, beta))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("g_value", [-5.0, -4.999, -20.0])
 def test_chunk_grads_finite_at_the_gate_floor_and_below(g_value):
     """fla's naive chunk multiplies 0 * inf in backward for gates near -5; ours never forms exp(+x)."""

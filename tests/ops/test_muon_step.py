@@ -191,6 +191,7 @@ def _two_steps(model, grads, monkeypatch, fused):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 @needs_triton
 def test_a_muon_step_through_the_kernels_equals_the_reference(monkeypatch):
     """fp32 on CPU: equal to rounding; on CUDA both fill a bf16 batch, so one bf16 rounding of the direction may

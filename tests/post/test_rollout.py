@@ -40,6 +40,7 @@ def grads(model, trajs):
     return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("between", ["live", "load", "keep", "new"])
 def test_partial_rollout_equals_finishing_first(chat_tokenizer, between):
     """Rounds of 3 tokens with the frozen policy at versions 0, 1, ...: the requests stay live in the engine

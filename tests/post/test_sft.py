@@ -67,6 +67,7 @@ def test_resumed_sft_equals_the_uninterrupted_run(tmp_path, chat_jsonl):
     assert key(a.out) == key(b.out)
 
 
+@pytest.mark.slow
 def test_sft_loss_falls_and_the_cli_runs(tmp_path, chat_jsonl, capsys):
     out = tmp_path / "cli"
     assert main(["sft", "--data", str(chat_jsonl), "--out", str(out), "--steps", "30", "--batch-size", "4",

@@ -179,6 +179,7 @@ def sft(tmp_path, data, name, **kw):
     return cfg, train(cfg, ParallelPlan(ParallelDims(), cfg.device), log=lambda *a: None, prepare=prepare)
 
 
+@pytest.mark.slow
 def test_a_tiny_run_trains_the_tower_saves_the_multimodal_layout_and_resumes(tmp_path, jsonl):
     cfg, _ = sft(tmp_path, jsonl, "straight", steps=12)
     recs = read_metrics(cfg.out)
@@ -267,6 +268,7 @@ def test_which_model_image_data_trains(tmp_path, jsonl, tok):
         prepare(dataclasses.replace(cfg, out=str(tmp_path / "r")), tmp_path / "r", None, plan)
 
 
+@pytest.mark.slow
 def test_sft_on_images_teaches_the_model_to_read_them(tmp_path):
     """40 steps on "Colour?" about solid red, green or blue pictures: on held-out conversations the answer loss with
     each one's own image is far below that with another's (the model answers from the image, not from the prior)."""

@@ -5,6 +5,7 @@ and MXFP8 inputs, the gradients are straight-through, Muon keeps high-precision 
 import dataclasses
 import json
 
+import pytest
 import torch
 
 from k3.cli import main
@@ -113,6 +114,7 @@ def _text_config(checkpoint) -> dict:
     return d.get("text_config", d)
 
 
+@pytest.mark.slow
 def test_qat_training_learns_resumes_and_records_the_scheme(tmp_path):
     loss = [r["loss"] for r in _run(tmp_path / "qat", qat="mxfp4")]
     assert sum(loss[-3:]) / 3 < loss[0] - 0.2, loss

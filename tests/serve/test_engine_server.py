@@ -47,6 +47,7 @@ def _health(url):
         return e.code, json.loads(e.read())
 
 
+@pytest.mark.slow
 def test_a_short_request_is_not_held_back_by_a_long_prompt(served):
     engine, url = served(EngineConfig(num_pages=256, page_tokens=256, hash_block=256, step_tokens=256,
                                       prefill_chunk=256, long_prompt=2048, max_batch=8))

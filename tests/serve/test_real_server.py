@@ -68,6 +68,7 @@ def default_client(default_server):
     return openai.OpenAI(base_url=default_server + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
+@pytest.mark.slow
 def test_streaming_joins_to_the_non_streaming_text(client):
     kw = dict(model=MODEL, prompt="def main():\n", max_tokens=12, temperature=0)
     full = client.completions.create(**kw)
@@ -123,6 +124,7 @@ def test_malformed_json_is_a_400(server):
     assert e.value.code == 400 and "error" in json.loads(e.value.read())
 
 
+@pytest.mark.slow
 def test_disconnect_mid_stream_frees_the_cache(client, server):
     stream = client.completions.create(model=MODEL, prompt="while True:\n", max_tokens=400, temperature=0.8,
                                        stream=True)
@@ -135,6 +137,7 @@ def test_disconnect_mid_stream_frees_the_cache(client, server):
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_repeated_1379_token_prompt_hits_at_its_last_512_token_block(default_client):
     ids = [(7 * i) % 1000 + 10 for i in range(1379)]
     first = default_client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0)
@@ -144,6 +147,7 @@ def test_a_repeated_1379_token_prompt_hits_at_its_last_512_token_block(default_c
     assert second.choices[0].text == first.choices[0].text
 
 
+@pytest.mark.slow
 def test_chat_without_max_tokens_on_a_default_server(default_client, default_server):
     """What most OpenAI clients send: no max_tokens. It generates until EOS or the context limit; the client reads
     a few tokens and leaves, and the pages come back."""

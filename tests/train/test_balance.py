@@ -57,6 +57,7 @@ def test_required_bias_is_what_enters_the_top_k():
         required_bias(scores, bias, 12)
 
 
+@pytest.mark.slow
 def test_quantile_balancing_balances_in_a_few_updates_where_sign_rule_does_not():
     # one fixed batch of 32768 tokens (mean load N*k/E = 585 per expert); logit offsets of spread 0.3 make the
     # busiest expert take ~9x its share
@@ -68,6 +69,7 @@ def test_quantile_balancing_balances_in_a_few_updates_where_sign_rule_does_not()
     assert sign[3] > 5 and sign[3] > 0.9 * sign[0]  # gamma 1e-3 has barely moved the bias
 
 
+@pytest.mark.slow
 def test_quantile_balancing_under_extreme_skew():
     """At 47x skew QB still gets within ~15% in 3 updates, then sits at the 1000-bin resolution; the sign rule
     has not moved."""

@@ -35,6 +35,7 @@ def loss_and_grads(model, ids, cu):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.slow
 def test_compiled_regions_give_the_eager_loss_and_gradients():
     model = two_layer_model()
     names = list(model.state_dict())

@@ -33,6 +33,7 @@ def train_cli(capsys, data, out, *extra) -> str:
     return printed
 
 
+@pytest.mark.slow
 def test_one_text_file(tmp_path, capsys):
     book = tmp_path / "book.txt"
     book.write_text(prose(40_000))  # one file: cut at blank lines into documents of <= 8192 characters
@@ -41,6 +42,7 @@ def test_one_text_file(tmp_path, capsys):
     assert info["val_sequences"] >= 1 and info["train_sequences"] > 10
 
 
+@pytest.mark.slow
 def test_a_ten_line_jsonl(tmp_path, capsys):
     rows = tmp_path / "rows.jsonl"
     text = prose(8_000, seed=3).split("\n\n")
@@ -49,6 +51,7 @@ def test_a_ten_line_jsonl(tmp_path, capsys):
     train_cli(capsys, rows, tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_a_directory_of_five_files(tmp_path, capsys):
     corpus = tmp_path / "notes"
     corpus.mkdir()
@@ -57,6 +60,7 @@ def test_a_directory_of_five_files(tmp_path, capsys):
     train_cli(capsys, corpus, tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_too_little_data_says_how_much_is_needed(tmp_path, capsys):
     one = tmp_path / "one.txt"
     one.write_text(prose(1_000).replace("\n\n", " "))  # one paragraph: one document

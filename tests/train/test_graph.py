@@ -116,6 +116,7 @@ def test_stream_packing_is_one_segment_per_sample_over_the_same_tokens():
     assert batch["cu_seqlens"].tolist() == [0, 4, 8, 12]  # every batch the same layout
 
 
+@pytest.mark.slow
 def test_packing_is_validated_and_fixed_on_resume(tmp_path):
     with pytest.raises(ValueError, match="TrainConfig.packing must be documents or stream"):
         TrainConfig(out="x", packing="rows")
@@ -131,6 +132,7 @@ def test_packing_is_validated_and_fixed_on_resume(tmp_path):
     assert all(r["loss"] > 0 for r in recs) and "val_loss" in recs[-1]
 
 
+@pytest.mark.slow
 def test_a_run_saved_before_packing_existed_resumes_as_documents(tmp_path):
     from k3.checkpoint.manifest import record_checksums
 
@@ -145,6 +147,7 @@ def test_a_run_saved_before_packing_existed_resumes_as_documents(tmp_path):
     assert out["step"] == 4
 
 
+@pytest.mark.slow
 def test_placed_loss_is_the_loss():
     """ParallelPlan.loss is placed_loss of place (the split a CUDA graph records the second half of)."""
     torch.manual_seed(0)

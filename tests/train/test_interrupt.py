@@ -15,6 +15,7 @@ from k3.train.state import find_checkpoint, read_step
 from .test_loop import losses, run
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_at_the_step_boundary_and_the_run_resumes_exactly(tmp_path, monkeypatch):
     write = MetricsLog.write
 
@@ -35,6 +36,7 @@ def test_ctrl_c_saves_at_the_step_boundary_and_the_run_resumes_exactly(tmp_path,
     assert losses(tmp_path / "cut") == losses(tmp_path / "straight")
 
 
+@pytest.mark.slow
 def test_k3_train_ctrl_c_says_where_the_checkpoint_is(tmp_path):
     out = tmp_path / "run"
     argv = [sys.executable, "-m", "k3", "train", "--preset", "tiny", "--out", str(out), "--steps", "500",

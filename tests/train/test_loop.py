@@ -27,6 +27,7 @@ def losses(out):
     return [(r["step"], r["loss"], r.get("val_loss"), r.get("load_max_over_mean")) for r in read_metrics(out)]
 
 
+@pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_loss_curve(tmp_path):
     straight, _ = run(tmp_path, "straight")
     cut, _ = run(tmp_path, "cut", stop_after=3)
@@ -37,6 +38,7 @@ def test_resume_reproduces_the_uninterrupted_loss_curve(tmp_path):
     assert a == b  # bit-identical losses, validation losses and expert loads
 
 
+@pytest.mark.slow
 def test_metrics_checkpoint_and_entropy(tmp_path):
     umask = os.umask(0o022)
     try:
@@ -77,6 +79,7 @@ def test_resume_refuses_another_config_and_a_truncated_checkpoint(tmp_path):
         run(tmp_path, "r")
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_model_config_is_named(tmp_path):
     from k3 import K3Config
     from k3.train.state import find_checkpoint, load_checkpoint
@@ -88,6 +91,7 @@ def test_checkpoint_of_another_model_config_is_named(tmp_path):
         load_checkpoint(ck, other)
 
 
+@pytest.mark.slow
 def test_train_plot_generate_cli(tmp_path, capsys):
     out = tmp_path / "cli"
     args = ["train", "--preset", "tiny", "--out", str(out), "--steps", "3", "--batch-size", "2", "--seq-len", "64",
@@ -104,6 +108,7 @@ def test_train_plot_generate_cli(tmp_path, capsys):
     assert main(["plot", str(tmp_path / "nothing")]) == 1
 
 
+@pytest.mark.slow
 def test_training_on_user_jsonl_learns(tmp_path):
     data = tmp_path / "d.jsonl"
     text = "the quick brown fox jumps over the lazy dog. " * 40
@@ -115,6 +120,7 @@ def test_training_on_user_jsonl_learns(tmp_path):
     assert torch.isfinite(torch.tensor(recs[-1]["val_loss"]))
 
 
+@pytest.mark.slow
 def test_rerunning_a_finished_run_says_so_and_a_larger_steps_extends_it(tmp_path, capsys):
     out = tmp_path / "x"
     args = ["train", "--preset", "tiny", "--out", str(out), "--steps", "3", "--batch-size", "2", "--seq-len", "32",
@@ -135,6 +141,7 @@ def test_rerunning_a_finished_run_says_so_and_a_larger_steps_extends_it(tmp_path
     assert "--lr 0.003 (now 0.001)" in err and "new --out" in err
 
 
+@pytest.mark.slow
 def test_extending_a_run_half_way_keeps_the_lr_continuous(tmp_path):
     from k3.train.schedule import lr_lambda
 
@@ -147,6 +154,7 @@ def test_extending_a_run_half_way_keeps_the_lr_continuous(tmp_path):
     assert lrs[-1] > BASE.lr * BASE.min_lr_ratio and lrs[7] > BASE.lr * lr_lambda(7, 8)
 
 
+@pytest.mark.slow
 def test_memory_policies_train_the_same_curve_with_less_saved(tmp_path):
     """`k3 train --memory-policy`: the same losses and gradient norms (to float rounding: 1e-6 relative), fewer
     saved bytes logged."""
@@ -162,6 +170,7 @@ def test_memory_policies_train_the_same_curve_with_less_saved(tmp_path):
         assert all(0 < r["saved_activation_bytes"] < k["saved_activation_bytes"] for r, k in zip(recs, keep)), policy
 
 
+@pytest.mark.slow
 def test_a_run_saved_without_eos_token_id_still_resumes(tmp_path):
     """Checkpoints written before k3 train recorded the tokenizer's eos_token_id resume as they are."""
     from k3.checkpoint.manifest import record_checksums

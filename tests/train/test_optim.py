@@ -238,6 +238,7 @@ def train(model, opt, sched, steps, seed):
         sched.step()
 
 
+@pytest.mark.slow
 def test_state_dict_round_trip_continues_identically():
     model = K3ForCausalLM(TINY)
     opt = build_optimizer(model, lr=3e-3)
@@ -342,6 +343,7 @@ def test_qk_clip_returns_the_head_to_tau_and_leaves_others(cfg):
     assert qk_clip_(layer, tau) == 1 and qk_clip_(layer, tau) == 0  # nothing recorded since the last clip
 
 
+@pytest.mark.slow
 def test_max_logit_tracking_is_chunked_masked_and_opt_in():
     layer = GatedMLA(TINY).train()
     x = torch.randn(1, 23, TINY.hidden_size)
@@ -467,6 +469,7 @@ def test_muon_keeps_its_buckets_while_the_parameters_stay_and_rebuilds_them_when
     assert opt._plan is not kept
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused_adamw", [False, True])
 def test_clipping_folded_into_the_step_equals_clip_grad_norm_then_step(fused_adamw):
     """``clip_coefficient`` + ``step(scale=coef)`` (the factor read in Muon's momentum pass and by fused AdamW as

@@ -5,6 +5,7 @@ the answers' prior), and what it saves is a multimodal checkpoint that ``k3 chat
 import json
 import random
 
+import pytest
 import torch
 
 from k3.cli import main
@@ -29,6 +30,7 @@ def test_scenes_show_their_shape_colour_and_digit():
     assert (ex.ids == task.placeholder).sum(1).tolist() == [6, 6]  # one image of 4 x 6 patches each
 
 
+@pytest.mark.slow
 def test_a_short_run_reads_the_image(tmp_path, capsys):
     out = tmp_path / "dv"
     assert main(["demo-vision", "--steps", "60", "--batch-size", "16", "--vision-after", "60", "--questions", "colour",
@@ -49,6 +51,7 @@ def test_a_short_run_reads_the_image(tmp_path, capsys):
     assert right.float().mean() > 0.5  # the reloaded model still answers from the image
 
 
+@pytest.mark.slow
 def test_the_sft_variant_writes_chat_data_with_images_and_scores_it(tmp_path, capsys):
     """``--sft``'s plumbing at a few steps (what it measures at full size is in benchmarks/RESULTS.md)."""
     out = tmp_path / "dvs"

@@ -62,11 +62,21 @@ def test_the_manual_has_the_examples_this_file_runs():
     assert not [line for b in every for line in b.splitlines() if line.strip().startswith("...")]
 
 
-def test_the_manual_links_to_pages_that_exist():
-    for p in PAGES:
-        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", p.read_text()):
-            if not target.startswith("http"):
-                assert (p.parent / target).exists(), f"{p.name} links to {target}, which does not exist"
+def anchors(page: Path) -> set[str]:
+    """The `#fragment`s GitHub gives a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    heads = re.findall(r"^#+ (.+)$", page.read_text(), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_the_manual_links_to_pages_and_sections_that_exist():
+    for p in [*PAGES, ROOT / "benchmarks" / "RESULTS.md"]:
+        for target, fragment in re.findall(r"\]\(([^)#\s]+)(?:#([^)\s]+))?\)", p.read_text()):
+            if target.startswith("http"):
+                continue
+            linked = (p.parent / target).resolve()
+            assert linked.exists(), f"{p.name} links to {target}, which does not exist"
+            if fragment:
+                assert fragment in anchors(linked), f"{p.name} links to {target}#{fragment}: no such heading there"
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),  # every command builds what the layers below receive (e.g. the parallel plan)
     ("__main__",),
 )
-ALIASES = {"config_hf": "config"}
+ALIASES = {"config_hf": "config", "config_strict": "config"}
 # (file, imported module) back-edges still being removed, each with the branch that removes it. Keep it empty on main.
 KNOWN: dict[tuple[str, str], str] = {}
 

@@ -265,7 +265,8 @@ def test_nan_weights_are_refused_naming_the_tensors(tmp_path, capsys):
     """A diverged run's checkpoint: an error naming the tensors and a non-zero exit, not empty output and 0."""
     import pytest
 
-    from k3.checkpoint import CheckpointError, load_pretrained
+    from k3.checkpoint import CheckpointError
+    from k3.pretrained import load_pretrained
 
     ck = make_checkpoint(tmp_path)
     model = load_pretrained(ck)

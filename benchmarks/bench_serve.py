@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -178,6 +179,26 @@ def engine_rate(serve_args: list[str], batch: int, prompt_len: int, output_len: 
     return {"batch": batch, "steps": steps, "step_ms": dt / steps * 1e3, "tok_s": batch * steps / dt}
 
 
+def pyspy(path: str | None, proc) -> subprocess.Popen | None:
+    """py-spy on the server and its engine-core child for 6 s (started with the scenario), as collapsed stacks."""
+    if not path or proc is None or not shutil.which("py-spy"):
+        return None
+    return subprocess.Popen(["py-spy", "record", "-p", str(proc.pid), "--subprocesses", "--duration", "6", "--rate",
+                             "200", "--format", "raw", "--nonblocking", "-o", path], stdout=subprocess.DEVNULL)
+
+
+def top_frames(path: str, n: int = 15) -> list[tuple[str, float]]:
+    """The frames holding the most samples at the top of the stack (self time), as shares of all samples."""
+    self_t: dict[str, int] = {}
+    total = 0
+    for line in Path(path).read_text().splitlines() if Path(path).exists() else []:
+        stack, _, count = line.rpartition(" ")
+        leaf = stack.split(";")[-1]
+        self_t[leaf] = self_t.get(leaf, 0) + int(count)
+        total += int(count)
+    return [(f, c / total) for f, c in sorted(self_t.items(), key=lambda kv: -kv[1])[:n]]
+
+
 def _lens(s: str) -> tuple[int, int]:
     lo, _, hi = s.partition(":")
     return int(lo), int(hi or lo)
@@ -198,6 +219,7 @@ def main(argv=None) -> None:
     ap.add_argument("--client-procs", type=int, default=1)
     ap.add_argument("--client", choices=["aiohttp", "raw"], default="aiohttp")
     ap.add_argument("--engine", action="store_true", help="measure the engine alone at the same batches too")
+    ap.add_argument("--pyspy", help="record the server's processes with py-spy during the busiest scenario (a file)")
     ap.add_argument("--json")
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     meta = header()
@@ -218,8 +240,12 @@ def main(argv=None) -> None:
         for c in levels:
             n = args.requests or max(8, 4 * c)
             jobs = make_jobs(args.endpoint, n, pl, ol, vocab, args.shared_prefix, args.rate, 2 + c)
+            spy = pyspy(args.pyspy, proc) if c == max(levels) else None
             row = scenario(url, model, jobs, c or n, args.client_procs, args.client, proc.pid if proc else None)
             row["rate"] = args.rate
+            if spy is not None:
+                spy.wait(timeout=60)
+                out["pyspy_top"] = top_frames(args.pyspy)
             out["rows"].append(row)
             print(json.dumps(row), file=sys.stderr)
     finally:
@@ -258,6 +284,8 @@ def report(out: dict) -> None:
               f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.2f} / {r['tpot_p99_ms']:.2f} | "
               f"{r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} | {r['tokens_per_chunk']:.2f} | {r['errors']} | "
               f"{100 * r.get('server_cpu', float('nan')):.0f}% | {clients} | {busy} |")
+    for frame, share in out.get("pyspy_top", []):
+        print(f"py-spy self {100 * share:5.1f}%  {frame}")
     for e in out["engine"]:
         print(f"engine alone, batch {e['batch']}: {e['tok_s']:,.0f} tokens/s, step {e['step_ms']:.2f} ms")
 

@@ -57,10 +57,16 @@ class _Sink:
 
 def _core_main(build: Callable, requests, replies) -> None:
     lock = threading.Lock()
+    gone = threading.Event()  # the server process closed its end: nothing more to tell it
 
     def send(msg) -> None:
+        if gone.is_set():
+            return
         with lock:
-            replies.send(msg)
+            try:
+                replies.send(msg)
+            except (BrokenPipeError, EOFError, ConnectionResetError):
+                gone.set()
 
     try:
         engine = build()
@@ -110,6 +116,7 @@ def _core_main(build: Callable, requests, replies) -> None:
                     continue
                 msg = requests.recv()
             except (EOFError, OSError):  # the server process is gone
+                gone.set()
                 break
             kind = msg[0]
             if kind == "submit":

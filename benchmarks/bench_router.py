@@ -1,19 +1,21 @@
 """`k3 router` over several `k3 serve` replicas (SPEC §7 fleet routing): cache-aware affinity against round-robin and
 against hashing the prompt's first block, on one workload, in one run.
 
-    python benchmarks/bench_router.py [--replicas 3] [--policies affinity,round-robin,first-block] [--sessions 12]
-        [--turns 6] [--system-tokens 64] [--turn-tokens 64] [--burst 6] [--burst-tokens 3000] [--max-tokens 8]
-        [--router-args "..."] [--json out.json] [-- SERVE ARGS]
+    python benchmarks/bench_router.py [--replicas 3] [--policies affinity,round-robin,first-block] [--rounds 2]
+        [--sessions 12] [--turns 6] [--system-tokens 256] [--turn-tokens 192] [--burst 4] [--burst-tokens 4000]
+        [--max-tokens 8] [--router-args "..."] [--json out.json] [-- SERVE ARGS]
 
 It starts ``--replicas`` replicas of ``k3 serve SERVE ARGS`` once (default: the tiny random model on the CPU with
 32-token hash blocks), then for each policy a ``k3 router --policy P`` in front of them and the same workload:
 ``--sessions`` concurrent multi-turn sessions (header ``X-Session-Id``), each turn its session's previous prompt plus
 ``--turn-tokens`` new tokens, all sessions opening with the same ``--system-tokens`` (a shared system prompt), and,
 one second in, a burst of ``--burst`` prompts of ``--burst-tokens`` tokens each (the long class). Every request
-streams ``--max-tokens`` tokens with ``ignore_eos`` and asks for usage. Each policy gets fresh random tokens (its own
-seed), so no policy reuses another's cache. Reported per policy: the prompt tokens the replicas served from their
-caches (``cached_tokens``) and their share, TTFT p50/p99 of each class (sessions, burst), requests and output tokens
-per second over the window, the router's predicted hits and spills, and how the sessions spread over the replicas.
+streams ``--max-tokens`` tokens with ``ignore_eos`` and asks for usage. Each run gets fresh random tokens (its own
+seed), so no run reuses another's cache; ``--rounds`` repeats every policy, in turn, so that a shared machine's drift
+falls on all of them, and each figure pools the policy's rounds. Reported per policy: the prompt tokens the replicas
+served from their caches (``cached_tokens``) and their share, TTFT p50/p99 of each class (sessions, burst), requests
+and output tokens per second over the windows, the router's predicted hits and spills, and how the sessions spread
+over the replicas.
 """
 
 from __future__ import annotations
@@ -115,9 +117,12 @@ async def workload(url: str, args, vocab: int, seed: int) -> list[dict]:
     return out
 
 
-def summarise(policy: str, rows: list[dict], stats: dict) -> dict:
+def summarise(policy: str, rounds: list[tuple[list[dict], dict]]) -> dict:
+    """One policy's figures over its rounds: percentiles over every request, throughput over the rounds' windows."""
+    rows = [r for rs, _ in rounds for r in rs]
     by = {c: [r for r in rows if r["cls"] == c and r["ok"]] for c in ("session", "burst")}
-    window = max(r["end"] for r in rows) - min(r["start"] for r in rows)
+    window = sum(max(r["end"] for r in rs) - min(r["start"] for r in rs) for rs, _ in rounds)
+    total = lambda k: sum(st[k] for _, st in rounds)  # noqa: E731
     prompt, cached = sum(r["prompt"] for r in rows), sum(r["cached"] for r in rows)
     spread = {}
     for r in by["session"]:
@@ -128,10 +133,10 @@ def summarise(policy: str, rows: list[dict], stats: dict) -> dict:
             **{f"ttft_{c}_p{q}_s": round(pct([r["ttft"] for r in by[c]], q), 4) for c in by for q in (50, 99)},
             "req_per_s": round(len(rows) / window, 3),
             "output_tok_per_s": round(sum(r["output"] for r in rows) / window, 1),
-            "router_hits": stats["hits"], "router_misses": stats["misses"], "spills": stats["spills"],
+            "router_hits": total("hits"), "router_misses": total("misses"), "spills": total("spills"),
             "replicas_per_session": round(sum(len(v) for v in spread.values()) / max(len(spread), 1), 2),
-            "requests_per_replica": sorted(v["requests"] for v in stats["replicas"].values()),
-            "long_class_waited": stats["classes"].get("long", {}).get("waited", 0)}
+            "requests_per_replica": [sorted(v["requests"] for v in st["replicas"].values()) for _, st in rounds],
+            "long_class_waited": sum(st["classes"].get("long", {}).get("waited", 0) for _, st in rounds)}
 
 
 MODEL = ["tiny"]
@@ -141,12 +146,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--policies", default="affinity,round-robin,first-block")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds; each runs every policy once, in turn")
     ap.add_argument("--sessions", type=int, default=12)
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--system-tokens", type=int, default=64)
-    ap.add_argument("--turn-tokens", type=int, default=64)
-    ap.add_argument("--burst", type=int, default=6)
-    ap.add_argument("--burst-tokens", type=int, default=3000)
+    ap.add_argument("--system-tokens", type=int, default=256)
+    ap.add_argument("--turn-tokens", type=int, default=192)
+    ap.add_argument("--burst", type=int, default=4)
+    ap.add_argument("--burst-tokens", type=int, default=4000)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--router-args", default="--classes short=0:0.75,long=2048:0.25 --max-inflight 8",
                     help="extra k3 router flags (one string)")
@@ -164,19 +170,22 @@ def main() -> None:
         health = get(replicas[0][1] + "/health")
         MODEL[0] = health["model"]
         vocab = health["vocab_size"]
-        for seed, policy in enumerate(args.policies.split(",")):
+        policies, runs = args.policies.split(","), {}
+        for k in range(args.rounds * len(policies)):
+            policy = policies[k % len(policies)]
             proc, url = start(["router", "--replicas", ",".join(u for _, u in replicas), "--policy", policy,
                                *shlex.split(args.router_args)])
             try:
                 wait(url, proc, "k3 router", 60)
                 while get(url + "/health")["healthy_replicas"] < args.replicas:
                     time.sleep(0.1)
-                rows = asyncio.run(workload(url, args, vocab, 1000 + seed))
-                results.append(summarise(policy, rows, get(url + "/router/stats")))
-                print(json.dumps(results[-1]), file=sys.stderr)
+                rows = asyncio.run(workload(url, args, vocab, 1000 + k))  # fresh tokens: no cache from earlier runs
+                runs.setdefault(policy, []).append((rows, get(url + "/router/stats")))
+                print(json.dumps(summarise(policy, runs[policy][-1:])), file=sys.stderr)
             finally:
                 proc.terminate()
                 proc.wait(20)
+        results = [summarise(p, runs[p]) for p in policies]
     finally:
         for proc, _ in replicas:
             proc.terminate()
@@ -189,7 +198,8 @@ def main() -> None:
 
 def print_table(results: list[dict], args, serve: list[str]) -> None:
     h = header()
-    print(f"bench_router: {args.replicas} replicas of k3 serve {' '.join(serve)}; {args.sessions} sessions x "
+    print(f"bench_router: {args.rounds} rounds, {args.replicas} replicas of k3 serve {' '.join(serve)}; "
+          f"{args.sessions} sessions x "
           f"{args.turns} turns (+{args.turn_tokens} tokens each, {args.system_tokens} shared), burst of {args.burst} x "
           f"{args.burst_tokens} tokens; commit {h['commit']}, {h['machine']}, {h['date']}")
     print("| policy | cached prompt tokens (share) | session TTFT p50 / p99 | burst TTFT p50 / p99 | req/s | "

@@ -52,7 +52,7 @@ for s in $steps; do
             timeout ${T_HTTP_LONG:-240} python3 benchmarks/bench_serve.py --concurrency 64 --prompt-len 1500 --output-len 128 --requests 128 --json "$L/bench_serve_long.json" -- --preset small --random-init --device cuda ${HTTP_ARGS:-} 2>&1 | tee "$L/bench_serve_long.log" ;;
     # k3 router over 3 replicas of small sharing the GPU (a quarter of its free memory each): affinity against
     # round-robin and first-block hashing on one workload (needs aiohttp and uhashring: carry their wheels in .whl/)
-    router) timeout ${T_ROUTER:-540} python3 benchmarks/bench_router.py --sessions ${ROUTER_SESSIONS:-48} --turns 8 --system-tokens 1024 --turn-tokens 512 --burst 8 --burst-tokens 32768 --max-tokens 32 --router-args "--classes short=0:0.75,long=16384:0.25 --max-inflight 32" --json "$L/bench_router.json" -- --preset small --random-init --device cuda --memory-fraction 0.25 --hash-block 512 ${ROUTER_ARGS:-} 2>&1 | tee "$L/bench_router.log" ;;
+    router) timeout ${T_ROUTER:-540} python3 benchmarks/bench_router.py --rounds 1 --sessions ${ROUTER_SESSIONS:-48} --turns 8 --system-tokens 1024 --turn-tokens 512 --burst 8 --burst-tokens 32768 --max-tokens 32 --router-args "--classes short=0:0.75,long=16384:0.25 --max-inflight 32" --json "$L/bench_router.json" -- --preset small --random-init --device cuda --memory-fraction 0.25 --hash-block 512 ${ROUTER_ARGS:-} 2>&1 | tee "$L/bench_router.log" ;;
     # the decode benchmark alone (DECODE_ARGS as above)
     decode) timeout ${T_DECODE:-420} python3 benchmarks/bench_decode.py --profile ${DECODE_ARGS:-} --json "$L/bench_decode.json" 2>&1 | tee "$L/bench_decode.log" ;;
     # k3 small and medium on uniform and corpus documents, and the dense same-width peers, 8 x 4096 tokens

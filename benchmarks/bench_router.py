@@ -134,6 +134,7 @@ def summarise(policy: str, rounds: list[tuple[list[dict], dict]]) -> dict:
             "req_per_s": round(len(rows) / window, 3),
             "output_tok_per_s": round(sum(r["output"] for r in rows) / window, 1),
             "router_hits": total("hits"), "router_misses": total("misses"), "spills": total("spills"),
+            "router_hit_tokens": total("hit_tokens"),
             "replicas_per_session": round(sum(len(v) for v in spread.values()) / max(len(spread), 1), 2),
             "requests_per_replica": [sorted(v["requests"] for v in st["replicas"].values()) for _, st in rounds],
             "long_class_waited": sum(st["classes"].get("long", {}).get("waited", 0) for _, st in rounds)}
@@ -203,13 +204,13 @@ def print_table(results: list[dict], args, serve: list[str]) -> None:
           f"{args.turns} turns (+{args.turn_tokens} tokens each, {args.system_tokens} shared), burst of {args.burst} x "
           f"{args.burst_tokens} tokens; commit {h['commit']}, {h['machine']}, {h['date']}")
     print("| policy | cached prompt tokens (share) | session TTFT p50 / p99 | burst TTFT p50 / p99 | req/s | "
-          "output tok/s | router hits / misses / spills | replicas per session | errors |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "output tok/s | hit tokens the router predicted | spills | replicas per session | errors |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['policy']} | {r['cached_tokens']:,} ({r['cached_share']:.1%}) | "
               f"{r['ttft_session_p50_s']:.3f} / {r['ttft_session_p99_s']:.3f} s | "
               f"{r['ttft_burst_p50_s']:.3f} / {r['ttft_burst_p99_s']:.3f} s | {r['req_per_s']:.2f} | "
-              f"{r['output_tok_per_s']:.0f} | {r['router_hits']} / {r['router_misses']} / {r['spills']} | "
+              f"{r['output_tok_per_s']:.0f} | {r['router_hit_tokens']:,} | {r['spills']} | "
               f"{r['replicas_per_session']:.2f} | {r['errors']} |")
 
 

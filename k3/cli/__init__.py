@@ -12,11 +12,11 @@ import signal
 import sys
 
 from .. import __version__
-from . import chat, demo, demo_vision, distill, evaluate, generate, params, plot, rl, serve, sft, train
+from . import chat, demo, demo_vision, distill, evaluate, generate, params, plot, rl, router, serve, sft, train
 from .common import Parser
 
 COMMANDS = {"demo": demo, "demo-vision": demo_vision, "train": train, "sft": sft, "rl": rl, "distill": distill,
-            "generate": generate, "chat": chat, "serve": serve, "eval": evaluate,
+            "generate": generate, "chat": chat, "serve": serve, "router": router, "eval": evaluate,
             "plot": plot, "params": params}
 # what a user can cause (a bad file, value or device); anything else is a bug and keeps its traceback
 USER_ERRORS = (ValueError, OSError, RuntimeError)

@@ -139,7 +139,7 @@ def run_training(cfg: TrainConfig, log=print, command: str = "train", prepare=No
         from ..distributed.pipeline_plan import PipelineDims, PipelinePlan
 
         pipe = PipelineDims(cfg.pp, cfg.pp_schedule, cfg.pp_virtual, cfg.pp_layers)
-        plan = PipelinePlan(dims, pipe, resolve_device(cfg.device), cfg.grad_accum, cfg.seq_len)
+        plan = PipelinePlan(dims, pipe, resolve_device(cfg.device), cfg.grad_accum, cfg.seq_len, cfg.batch_size)
     else:
         plan = ParallelPlan(dims, device=resolve_device(cfg.device))
     try:

@@ -137,6 +137,7 @@ class StepFeed:
 
     def __init__(self):
         self.batches, self.mtp_weight, self.parts, self.observe = [], 0.0, {}, None
+        self.saved, self.peak = None, 0  # the step's SavedStats (when measured), the most live at a forward's end
         self.loss_scale = 1.0  # C x share, the plan's weighting (k3.distributed.plan), times 1 here (no CP)
 
 
@@ -179,11 +180,12 @@ class StageModule(nn.Module):
                 _checkpointed(layer, stream, cu)
             else:
                 layer(stream, cu)
+        out = pack(stream, mtp_embs) if not self.last else self._losses(stream, mtp_embs, placed, int(mb.reshape(-1)[0]))
         if self.feed.observe is not None and any(getattr(m, "last_routing", None) is not None for m in self.modules()):
-            self.feed.observe()  # Quantile Balancing counts this micro-batch's routing in this stage's MoE layers
-        if not self.last:
-            return pack(stream, mtp_embs)
-        return self._losses(stream, mtp_embs, placed, int(mb.reshape(-1)[0]))
+            self.feed.observe()  # Quantile Balancing counts this micro-batch's routing in this stage's MoE layers (MTP's too)
+        if self.feed.saved is not None:
+            self.feed.peak = max(self.feed.peak, self.feed.saved.live_bytes())
+        return out
 
     def _losses(self, stream, mtp_embs, placed, i: int) -> torch.Tensor:
         """What ``K3ForCausalLM.forward(..., return_logits=False)`` computes after the trunk (mirrored here, checked

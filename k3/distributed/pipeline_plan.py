@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..train.plan import StepLoss
-from .pipeline import StageModule, StepFeed, split_layers
+from .pipeline import StageModule, StepFeed, sources_at, split_layers
 from .plan import ParallelDims, ParallelPlan
 from .process_group import collective_device, init_from_env
 
@@ -80,7 +80,8 @@ class PipelinePlan:
 
     pipelined = True
 
-    def __init__(self, dims: ParallelDims, pipe: PipelineDims, device=None, grad_accum: int = 1, seq_len: int = 512):
+    def __init__(self, dims: ParallelDims, pipe: PipelineDims, device=None, grad_accum: int = 1, seq_len: int = 512,
+                 batch_size: int = 1):
         from torch.distributed.device_mesh import init_device_mesh
 
         if dims.cp > 1:
@@ -98,6 +99,7 @@ class PipelinePlan:
         if pipe.schedule == "interleaved" and grad_accum % pipe.pp:
             raise ValueError(f"--grad-accum {grad_accum}: interleaved 1F1B needs a multiple of --pp {pipe.pp}")
         self.dims, self.pipe, self.grad_accum, self.seq_len = dims, pipe, grad_accum, seq_len
+        self.tokens = batch_size * seq_len  # one micro-batch of one (dp, ep) slice: [1, tokens]
         self.mesh = init_device_mesh(self.device.type, (pipe.pp, dims.dp, dims.ep, dims.cp),
                                      mesh_dim_names=("pp", "dp", "ep", "cp"))
         self.pp_rank = self.mesh.get_coordinate()[0]
@@ -132,7 +134,7 @@ class PipelinePlan:
         _prune(model, held)
         if self.inner.world > 1:
             self._shard_stages(model)
-        self._build_schedule(mine)
+        self._build_schedule(mine, bounds, c)
 
     def _shard_stages(self, model) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -144,12 +146,14 @@ class PipelinePlan:
                 fully_shard(layer, mesh=self.inner.flat, **kwargs)
             fully_shard(st, mesh=self.inner.flat, **kwargs)
 
-    def _build_schedule(self, mine: list[int]) -> None:
+    def _build_schedule(self, mine: list[int], bounds, config) -> None:
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B,
                                                   ScheduleZBVZeroBubble)
 
         S = self.pipe.stages
-        stages = [PipelineStage(st, s, S, self.device, group=self.pp_group) for st, s in zip(self.stages, mine)]
+        stages = [PipelineStage(st, s, S, self.device, input_args=self._example(config, bounds[s][0], s == 0),
+                                output_args=self._example(config, bounds[s][1], s == S - 1, out=True),
+                                group=self.pp_group) for st, s in zip(self.stages, mine)]
         feed = self.feed
 
         def loss_fn(out, target):  # out: the last stage's [1, 2] weighted (lm, mtp) of one micro-batch
@@ -162,18 +166,34 @@ class PipelinePlan:
         else:
             self.schedule = ScheduleZBVZeroBubble(stages, self.grad_accum, loss_fn=loss_fn)
 
+    def _example(self, config, layer: int, end: bool, out: bool = False) -> torch.Tensor:
+        """A stage's input (``out``: output) as the schedule must expect it, on the meta device: the engine's
+        static mode. (Without it the engine infers shapes by running each stage once on uninitialised buffers,
+        which would feed garbage to Quantile Balancing's and QK-clip's statistics.)"""
+        meta = torch.device("meta")
+        if end and not out:
+            return torch.empty(1, self.tokens, dtype=torch.long, device=meta)  # the first stage's token ids
+        if end:
+            return torch.empty(1, 2, device=meta)  # the last stage's weighted (lm, mtp) losses
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32  # the depth stream's (autocast)
+        n = sources_at(config, layer) + self.stages[0].n_mtp
+        return torch.empty(n, 1, self.tokens, config.hidden_size, dtype=dtype, device=meta, requires_grad=True)
+
     # the step
 
     def place(self, batch: dict):
         return self.inner.place(batch)
 
-    def pipeline_step(self, model, micro_batches, mtp_weight: float, observe=None):
-        """Every micro-batch forward and backward through the schedule -> (lm, mtp): the step's mean losses of the
-        global batch (detached 0-d tensors, the same on every rank; mtp None without MTP)."""
+    def pipeline_step(self, model, micro_batches, mtp_weight: float, observe=None, saved=None):
+        """Every micro-batch forward and backward through the schedule -> (lm, mtp, tokens, peaks): the step's mean
+        losses of the global batch (detached 0-d tensors, the same on every rank; mtp None without MTP), its tokens,
+        and with ``saved`` (the step's ``k3.train.memory.SavedStats``) each pipeline rank's peak of saved
+        activation bytes (read after every stage forward; weights excluded), else None."""
         placed = [self.inner.place(b) for b in micro_batches]
         M = len(placed)
         f = self.feed
         f.batches, f.mtp_weight, f.parts, f.observe = placed, mtp_weight, {}, observe
+        f.peak, f.saved = 0, saved
         mb = torch.arange(M, device=self.device).reshape(M, 1)
         args = (torch.cat([p.input_ids for p in placed]),) if self.first_here else ()
         target = mb if self.last_here else None  # (unused by loss_fn: the last stage's output is the loss)
@@ -184,9 +204,13 @@ class PipelinePlan:
         parts = self.inner.mean(parts) if self.inner.world > 1 else parts
         parts = parts.to(collective_device(self.pp_group))
         dist.all_reduce(parts, group=self.pp_group)  # only the last stage's are non-zero
-        f.batches, f.parts, f.observe = [], {}, None
+        f.batches, f.parts, f.observe, f.saved = [], {}, None, None
         mtp = parts[1].float() if model.config.num_nextn_predict_layers and mtp_weight else None
-        return parts[0].float(), mtp, sum(p.tokens for p in placed)
+        peaks = None
+        if saved is not None:
+            peaks = [None] * self.pipe.pp
+            dist.all_gather_object(peaks, f.peak, group=self.pp_group)
+        return parts[0].float(), mtp, placed[0].tokens * M, peaks
 
     def loss(self, model, batch: dict, mtp_weight: float) -> StepLoss:
         raise RuntimeError("under --pp the loss of a micro-batch is the pipeline's (pipeline_step): no stage holds "
@@ -257,7 +281,8 @@ class PipelinePlan:
             return {}, (optimizer.state_dict() if self.inner.world > 1 else None)
         out = {"balancer": _merge_balancers([(i, b) for i, b, _ in got])}
         if self.inner.world == 1:
-            out["optimizer"] = {"format": "by_name", "state": {k: v for _, _, o in got for k, v in o["state"].items()}}
+            out["optimizer"] = {"format": "by_name", "state": {k: v for _, _, o in got for k, v in o["state"].items()},
+                                "groups": {k: v for _, _, o in got for k, v in o["groups"].items()}}
         return out, (optimizer.state_dict() if self.inner.world > 1 else None)
 
     def stage_balancer_state(self, state: dict | None) -> dict | None:

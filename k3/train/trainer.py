@@ -92,7 +92,12 @@ class Trainer:
                 load_named_state(model, self.optimizer, state["optimizer"])
             else:
                 self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
+            sched = state["scheduler"]
+            if is_named(state["optimizer"]):  # another layout's optimiser may have had other groups: one lr for all
+                n = len(self.optimizer.param_groups)
+                sched = {**sched, "base_lrs": sched["base_lrs"][:1] * n, "_last_lr": sched["_last_lr"][:1] * n,
+                         "lr_lambdas": [{} for _ in range(n)]}
+            self.scheduler.load_state_dict(sched)
             if self.balancer is not None:
                 pick = getattr(plan, "stage_balancer_state", None)  # a pipeline stage's MoE layers of every layer's
                 self.balancer.load_state_dict(pick(state["balancer"]) if pick else state["balancer"])
@@ -120,12 +125,14 @@ class Trainer:
         if graphed and n != self.graph.micro_batches:
             raise ValueError(f"--cuda-graph: this step has {n} micro-batches, the captured step "
                              f"{self.graph.micro_batches}; keep --grad-accum fixed")
-        loss_sum, mtp_sum, first_saved = 0.0, 0.0, None
+        loss_sum, mtp_sum, first_saved, peaks = 0.0, 0.0, None, None
         if self.pipelined:  # the schedule runs every micro-batch's forward and backward (k3.distributed.pipeline_plan)
             with self.amp, self.memory.forward(measure=measure) as saved:
-                lm, mtp, tokens = self.plan.pipeline_step(model, micro_batches, self.cfg.mtp_weight,
-                                                          self.balancer.observe if self.balancer else None)
-            loss_sum, mtp_sum, first_saved, micro_batches = lm, (mtp if mtp is not None else 0.0), saved.kept_bytes, []
+                lm, mtp, tokens, peaks = self.plan.pipeline_step(model, micro_batches, self.cfg.mtp_weight,
+                                                                 self.balancer.observe if self.balancer else None,
+                                                                 saved if measure else None)
+            loss_sum, mtp_sum, micro_batches = lm, (mtp if mtp is not None else 0.0), []
+            first_saved = max(peaks) if peaks else None  # the most any pipeline rank held at once
             self.tokens += tokens
         for i, batch in enumerate(micro_batches):
             if graphed:
@@ -180,6 +187,8 @@ class Trainer:
             rec["cuda_graph_captures"] = self.graph.captures
         if measure:  # what the first micro-batch's forward left for its backward on the device (k3.train.memory)
             rec["saved_activation_bytes"] = self.graph.saved_activation_bytes if graphed else first_saved
+            if peaks:  # per pipeline rank: its stages' saved activations at their peak (several micro-batches)
+                rec["pp_saved_activation_bytes"] = peaks
         if mtp_sum:
             rec["mtp_loss"] = mtp_sum
         if load is not None:

@@ -2,9 +2,11 @@
 under another. ``CombinedOptimizer.state_dict`` numbers parameters by their place in its groups, which depends on
 which layers a process holds; names (``model.layers.3.self_attn.q_proj.weight``) do not.
 
-    {"format": "by_name", "state": {name: {"momentum_buffer": tensor, ...} or {"step": ..., "exp_avg": ...}}}
+    {"format": "by_name", "state": {name: {"momentum_buffer": tensor, ...} or {"step": ..., "exp_avg": ...}},
+     "groups": {group name ("muon/whole", "adamw/decay", ...): its settings (lr, betas, ...)}}
 
-Group settings (lr, betas, ...) are not in it: the schedule's state and the run's flags rebuild them.
+The groups' settings matter: the schedule writes each step's lr into them, and the step after a resume runs with
+the saved lr (a scheduler's load_state_dict does not write it back).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ def named_state(model, optimizer) -> dict:
     for part in optimizer.optimizers.values():
         for p, s in part.state.items():
             out[names[id(p)]] = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-    return {"format": "by_name", "state": out}
+    groups = {g["name"]: {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups if "name" in g}
+    return {"format": "by_name", "state": out, "groups": groups}
 
 
 def load_named_state(model, optimizer, state: dict) -> None:
@@ -43,6 +46,8 @@ def load_named_state(model, optimizer, state: dict) -> None:
                     continue
                 part.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) and v.shape == p.shape else v
                                  for k, v in saved.items()}
+    for group in optimizer.param_groups:
+        group.update(state.get("groups", {}).get(group.get("name"), {}))
     optimizer._link()
 
 

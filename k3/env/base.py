@@ -35,6 +35,7 @@ class Snapshot:
     cwd: str
     seconds: float  # how long taking it took
     copied_bytes: int  # bytes copied (the rest hard-linked to the previous snapshot)
+    layers: tuple = ()  # local backend: this snapshot's layer, then the layers it sits on (top first)
 
 
 class SandboxBase(abc.ABC):

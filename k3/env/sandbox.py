@@ -227,6 +227,7 @@ class Sandbox(SandboxBase):
         return Sandbox(ws, self.limits, self.env, self.cwd, self.root)
 
     def snapshot(self) -> Snapshot:
+        """The changes since the current lower layers, copied (incrementally), on top of those layers."""
         t0 = time.perf_counter()
         sid = secrets.token_hex(6)
         files = self.ws.family / "snapshots" / sid
@@ -236,19 +237,20 @@ class Sandbox(SandboxBase):
                                                   self._manifest, self._snap_time))
         copied = sum(os.stat(files / r).st_size for r in manifest if os.stat(files / r).st_nlink == 1)
         self._manifest, self._snap_time = manifest, since
-        snap = Snapshot(sid, files, tuple(sorted(self.env.items())), self.cwd, time.perf_counter() - t0, copied)
+        snap = Snapshot(sid, files, tuple(sorted(self.env.items())), self.cwd, time.perf_counter() - t0, copied,
+                        (files, *self.ws.lowers))
         self._snapshots.append(snap)
         return snap
 
     def restore(self, snap: Snapshot) -> None:
         """The files, environment and cwd of ``snap``; every running process is killed (none is captured)."""
-        if not Path(snap.files).is_dir():
-            raise ValueError(f"snapshot {snap.id} has no files at {snap.files}: restore a snapshot of this "
-                             "sandbox's family that has not been deleted")
+        if not all(Path(p).is_dir() for p in snap.layers):
+            raise ValueError(f"snapshot {snap.id} has lost its files at {snap.files}: restore a snapshot of this "
+                             "sandbox's family taken before the family's last sandbox was closed")
         self.kill()
-        self.ws.replace_upper(Path(snap.files))
+        self.ws.restore(snap.layers)
         self.env, self.cwd = dict(snap.env), snap.cwd
-        self._manifest, self._snapshots = {}, []  # the upper is a fresh copy: the next snapshot copies in full
+        self._manifest, self._snapshots = {}, []  # the upper starts empty: nothing to link against
 
     def close(self) -> None:
         if self.closed:

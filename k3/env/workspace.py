@@ -6,7 +6,10 @@ With overlayfs (root, or a kernel that mounts it here) the workspace is ``lowerd
 - fork copies ``upper`` only (the changes since the base), so its cost is O(changed bytes), not O(workspace);
 - snapshot copies ``upper`` too, and is incremental: a file unchanged since the previous snapshot (same size,
   mtime and mode, and older than the previous snapshot) is hard-linked to that snapshot's copy instead of copied.
-  Snapshots are immutable, so the links are safe; ``upper`` itself is never linked (overlay writes it in place).
+  Snapshots are immutable, so the links are safe; ``upper`` itself is never linked (overlay writes it in place);
+- a snapshot is a chain of such layers over the base (its own copy of ``upper``, then the layers it was taken
+  over), and restore mounts that chain as the lower layers under a fresh empty ``upper``: O(1), no bytes copied
+  (overlayfs stacks up to 500 lower layers; whiteouts in a layer hide the files of the layers below).
 Without overlayfs (no mount rights) ``upper`` is the whole workspace and the same code runs: fork and the first
 snapshot then copy everything. No filesystem here does reflinks (ext4), so a copy is a byte copy.
 Whiteouts (deleted base files: character devices 0/0) and opaque directories (an xattr) are copied as they are.
@@ -19,15 +22,15 @@ import ctypes.util
 import os
 import shutil
 import stat
-import time
+import threading
 from pathlib import Path
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 MNT_DETACH = 2
 
 
-def _mount_overlay(base: Path, upper: Path, work: Path, merged: Path) -> None:
-    opts = f"lowerdir={base},upperdir={upper},workdir={work}".encode()
+def _mount_overlay(lower: Path | str, upper: Path, work: Path, merged: Path) -> None:
+    opts = f"lowerdir={lower},upperdir={upper},workdir={work}".encode()
     if _libc.mount(b"overlay", str(merged).encode(), b"overlay", 0, opts) != 0:
         e = ctypes.get_errno()
         raise OSError(e, f"mount overlay on {merged}: {os.strerror(e)}")
@@ -39,8 +42,18 @@ def _umount(path: Path) -> None:
         raise OSError(e, f"umount {path}: {os.strerror(e)}")
 
 
+_PROBED: dict[Path, bool] = {}
+
+
 def overlay_works(root: Path) -> bool:
-    """Try one overlay mount under ``root`` (needs CAP_SYS_ADMIN in the mount's user namespace)."""
+    """Try one overlay mount under ``root`` (needs CAP_SYS_ADMIN in the mount's user namespace); cached."""
+    if root in _PROBED:
+        return _PROBED[root]
+    _PROBED[root] = _probe(root)
+    return _PROBED[root]
+
+
+def _probe(root: Path) -> bool:
     probe = root / f".probe-{os.getpid()}"
     dirs = [probe / d for d in ("l", "u", "w", "m")]
     try:
@@ -107,8 +120,9 @@ def copy_tree(src: Path, dst: Path, previous: Path | None = None, manifest: dict
 class Workspace:
     """The directories of one sandbox under ``root``: ``family/base`` shared, ``family/<name>/{upper,work,merged}``."""
 
-    def __init__(self, family: Path, name: str, overlay: bool):
+    def __init__(self, family: Path, name: str, overlay: bool, lowers: tuple[Path, ...] = ()):
         self.family, self.name, self.overlay = family, name, overlay
+        self.lowers = lowers  # snapshot layers between upper and base, top first (set by restore)
         self.base = family / "base"
         self.dir = family / name
         self.upper, self.work, self.merged = self.dir / "upper", self.dir / "work", self.dir / "merged"
@@ -133,7 +147,7 @@ class Workspace:
             return
         for d in (self.upper, self.work, self.merged):
             d.mkdir(parents=True, exist_ok=True)
-        _mount_overlay(self.base, self.upper, self.work, self.merged)
+        _mount_overlay(":".join(map(str, (*self.lowers, self.base))), self.upper, self.work, self.merged)
         self.mounted = True
 
     def unmount(self) -> None:
@@ -143,18 +157,26 @@ class Workspace:
 
     def fork_into(self, name: str) -> Workspace:
         """A sibling sharing the base, with a copy of this one's changes. Call with the sandbox frozen."""
-        child = Workspace(self.family, name, self.overlay)
+        child = Workspace(self.family, name, self.overlay, self.lowers)
         copy_tree(self.upper, child.upper)
         child.mount()
         return child
 
-    def replace_upper(self, snapshot_files: Path) -> None:
-        """Restore: the changes become the snapshot's (a byte copy: the snapshot stays immutable)."""
+    def restore(self, layers: tuple[Path, ...]) -> None:
+        """The snapshot's layers become the lowers under an empty upper (overlay), or are copied (no overlay:
+        then a snapshot is one full layer). Call with no process left in the sandbox."""
         self.unmount()
-        shutil.rmtree(self.upper)
-        if self.work.exists():
-            shutil.rmtree(self.work)
-        copy_tree(snapshot_files, self.upper)
+        trash = self.dir / f"trash-{os.urandom(4).hex()}"  # renamed now (O(1)), deleted off the caller's path
+        trash.mkdir()
+        for d in (self.upper, self.work):
+            if d.exists():
+                d.rename(trash / d.name)
+        threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True}, daemon=True).start()
+        if self.overlay:
+            self.lowers = tuple(layers)
+            self.upper.mkdir()
+        else:
+            copy_tree(layers[0], self.upper)
         self.mount()
 
     def remove(self) -> None:
@@ -168,6 +190,3 @@ class Workspace:
         if not members:
             shutil.rmtree(self.family, ignore_errors=True)
 
-
-def now() -> float:
-    return time.time()

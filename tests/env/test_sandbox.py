@@ -98,10 +98,25 @@ def test_snapshot_restore_byte_identical(sb):
     assert _tree(sb) != before
     sb.restore(s1)
     assert _tree(sb) == before
-    s2 = sb.snapshot()  # after a restore the next snapshot copies in full; then unchanged files are linked
-    sb.exec("echo small > tiny.txt")
+    # a chain: changes over the restored snapshot, snapshotted, changed again, restored to either point
+    sb.exec("echo second > a.txt; rm -r deep; head -c 50000 /dev/urandom > mid.bin")
+    mid = _tree(sb)
+    time.sleep(0.06)  # files younger than 50 ms at a snapshot are copied again by the next (timestamps tick coarsely)
+    s2 = sb.snapshot()
+    sb.exec("echo third > a.txt; echo more > more.txt")
     s3 = sb.snapshot()
-    assert s3.copied_bytes < 100 < s2.copied_bytes
+    assert s3.copied_bytes < 100 < 50000 <= s2.copied_bytes  # mid.bin is linked to s2's copy, not copied again
+    sb.restore(s2)
+    assert _tree(sb) == mid
+    sb.restore(s1)
+    assert _tree(sb) == before
+    f = sb.fork()  # a fork of a restored sandbox sees the same files and stays apart
+    try:
+        assert _tree(f) == before
+        f.exec("echo f > a.txt")
+        assert sb.read("a.txt") != b"f\n"
+    finally:
+        f.close()
 
 
 @pytest.mark.slow

@@ -64,11 +64,13 @@ class Sandbox(SandboxBase):
 
     @classmethod
     def create(cls, files: dict[str, bytes | str] | None = None, limits: Limits | None = None,
-               env: dict[str, str] | None = None, root: Path | str | None = None) -> Sandbox:
+               env: dict[str, str] | None = None, root: Path | str | None = None,
+               overlay: bool | None = None) -> Sandbox:
+        """``overlay``: None uses overlayfs where it mounts; False forces the plain-directory fallback."""
         root = Path(root or DEFAULT_ROOT)
         root.mkdir(parents=True, exist_ok=True)
         sid = secrets.token_hex(6)
-        ws = Workspace(root / sid, sid, overlay_works(root))
+        ws = Workspace(root / sid, sid, overlay_works(root) if overlay is None else overlay)
         ws.create(files)
         return cls(ws, limits or Limits(), env or {}, "/workspace", root)
 

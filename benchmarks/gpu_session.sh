@@ -3,7 +3,7 @@
 # cannot eat the others. Results land in $OUT, packed at the end into $OUT/gpu_session.tgz (JSON + logs) and
 # $OUT/autotune.tgz (fla's Triton autotuning results: extract into .tcache/ and carry it next time to skip it).
 #   usage (device tool, carrying .whl with fla-core, and .tcache if you have one): bash benchmarks/gpu_session.sh [steps...]
-#   one GPU:  tests serve http decode train trainc ktrain profile memory cp kda kdadec attnres tkern muon packed quant qdecode
+#   one GPU:  tests serve http router decode train trainc ktrain profile memory cp kda kdadec attnres tkern muon packed quant qdecode
 #             post
 #             (default: tests serve train cp)
 #   2+ GPUs:  nccl flacp kcp scale             (the distributed suite over NCCL, fla CP vs KCP, multi-GPU throughput)
@@ -50,6 +50,9 @@ for s in $steps; do
     # engine alone beside it and py-spy on the server, then 1,500-token prompts at 64
     http)   timeout ${T_HTTP:-400} python3 benchmarks/bench_serve.py --engine --concurrency 1,64 --client-procs 2 --pyspy "$L/serve_pyspy.txt" --json "$L/bench_serve.json" -- --preset small --random-init --device cuda ${HTTP_ARGS:-} 2>&1 | tee "$L/bench_serve.log"
             timeout ${T_HTTP_LONG:-240} python3 benchmarks/bench_serve.py --concurrency 64 --prompt-len 1500 --output-len 128 --requests 128 --json "$L/bench_serve_long.json" -- --preset small --random-init --device cuda ${HTTP_ARGS:-} 2>&1 | tee "$L/bench_serve_long.log" ;;
+    # k3 router over 3 replicas of small sharing the GPU (a quarter of its free memory each): affinity against
+    # round-robin and first-block hashing on one workload (needs aiohttp and uhashring: carry their wheels in .whl/)
+    router) timeout ${T_ROUTER:-540} python3 benchmarks/bench_router.py --rounds 1 --sessions ${ROUTER_SESSIONS:-48} --turns 8 --system-tokens 1024 --turn-tokens 512 --burst 8 --burst-tokens 32768 --max-tokens 32 --router-args "--classes short=0:0.75,long=16384:0.25 --max-inflight 32" --json "$L/bench_router.json" -- --preset small --random-init --device cuda --memory-fraction 0.25 --hash-block 512 ${ROUTER_ARGS:-} 2>&1 | tee "$L/bench_router.log" ;;
     # the decode benchmark alone (DECODE_ARGS as above)
     decode) timeout ${T_DECODE:-420} python3 benchmarks/bench_decode.py --profile ${DECODE_ARGS:-} --json "$L/bench_decode.json" 2>&1 | tee "$L/bench_decode.log" ;;
     # k3 small and medium on uniform and corpus documents, and the dense same-width peers, 8 x 4096 tokens
@@ -94,7 +97,7 @@ for s in $steps; do
     kcp)    for r in 1 $NGPU; do timeout ${T_KCP:-300} $TR $r benchmarks/bench_kcp.py --json "$L/bench_kcp_r$r.json" 2>&1 | tee "$L/bench_kcp_r$r.log"; done ;;
     # k3 train --compile per layout (SCALE_ARGS replaces the layouts and steps), the corpus at 3 MB
     scale)  timeout ${T_SCALE:-540} python3 benchmarks/bench_scale.py --gpus $NGPU --data-max-bytes 3000000 ${SCALE_ARGS:---layouts one,graph,dp,ep,cp --steps 10 --warmup 4} --json "$L/bench_scale.json" 2>&1 | tee "$L/bench_scale.log" ;;
-    *) echo "unknown step $s (tests serve http decode train trainc ktrain profile memory cp kda kdadec attnres tkern muon packed quant qdecode post nccl flacp kcp scale)"; exit 2 ;;
+    *) echo "unknown step $s (tests serve http router decode train trainc ktrain profile memory cp kda kdadec attnres tkern muon packed quant qdecode post nccl flacp kcp scale)"; exit 2 ;;
   esac
 done
 tar czf "$OUT/gpu_session.tgz" -C "$OUT" logs && rm -rf "$L"

@@ -24,7 +24,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pretrained",),  # the one loader: a checkpoint directory -> the model class it holds (text, vision, packed)
     ("train", "inference"),  # what runs a model: the training loop, the engine
     ("chat",),  # chat formats (ChatML, Jinja, XTML, tools), below post and serve
-    ("distributed", "serve", "post", "eval"),  # parallel plans; HTTP; SFT/RL; evaluation harnesses
+    ("distributed", "serve", "post", "eval", "env"),  # parallel plans; HTTP; SFT/RL; evaluation; agent sandboxes
+    ("router",),  # k3 router: a proxy over k3 serve replicas (it may import serve's protocol pieces)
     ("k3",),  # the package's public names (k3/__init__.py)
     ("cli",),  # every command builds what the layers below receive (e.g. the parallel plan)
     ("__main__",),

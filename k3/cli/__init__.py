@@ -12,12 +12,12 @@ import signal
 import sys
 
 from .. import __version__
-from . import chat, demo, demo_vision, distill, evaluate, generate, params, plot, rl, serve, sft, train
+from . import agent, chat, demo, demo_vision, distill, evaluate, generate, params, plot, rl, router, serve, sft, train
 from .common import Parser
 
 COMMANDS = {"demo": demo, "demo-vision": demo_vision, "train": train, "sft": sft, "rl": rl, "distill": distill,
-            "generate": generate, "chat": chat, "serve": serve, "eval": evaluate,
-            "plot": plot, "params": params}
+            "generate": generate, "chat": chat, "serve": serve, "router": router, "eval": evaluate,
+            "plot": plot, "params": params, "agent": agent}
 # what a user can cause (a bad file, value or device); anything else is a bug and keeps its traceback
 USER_ERRORS = (ValueError, OSError, RuntimeError)
 

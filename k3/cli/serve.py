@@ -53,6 +53,9 @@ def add_arguments(p) -> None:
     s.add_argument("--long-prompt", type=int_at_least(1), default=32768,
                    help="prompts this long are the long class: they get at most half the prefill budget and the "
                         "pool while short requests wait")
+    s.add_argument("--step-target", type=number(0, lo_open=True), default=0.25, metavar="SECONDS",
+                   help="while requests decode, prompt chunks shrink so a step takes about this long (the engine "
+                        "times its steps): a long prompt delays each streamed token by one such step")
     s.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (no graphs, no compile)")
     s.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's results before planning the next (default on CUDA: plan while it runs)")
@@ -128,7 +131,7 @@ def build_engine(args):
         num_pages=pages, page_tokens=args.page_tokens, hash_block=min(args.hash_block, args.page_tokens),
         checkpoint_every=args.checkpoint_every, host_pages=args.host_pages, max_batch=args.max_batch,
         step_tokens=args.step_tokens, prefill_chunk=args.prefill_chunk, long_prompt=args.long_prompt,
-        cuda_graphs=graphs, compile=graphs, async_scheduling=False if args.no_async_scheduling else None),
+        decode_step_target_s=args.step_target, cuda_graphs=graphs, compile=graphs, async_scheduling=False if args.no_async_scheduling else None),
         model_name=name)
 
 

@@ -64,6 +64,17 @@ def add_train_arguments(p, defaults: TrainConfig) -> None:
                    "split along time; composes with --dp and --ep")
     p.add_argument("--ep", type=positive_int, default=d.ep, help="expert-parallel ranks (MoonEP): routed experts "
                    "split over them, each rank its own slice of the batch; composes with --dp and --cp")
+    p.add_argument("--pp", type=positive_int, default=d.pp, help="pipeline ranks: decoder layers cut into stages "
+                   "(torch.distributed.pipelining; --grad-accum micro-batches); composes with --dp and --ep. Run under "
+                   "torchrun with --nproc_per_node = pp x dp x ep x cp")
+    p.add_argument("--pp-schedule", choices=["1f1b", "interleaved", "zero-bubble"], default=d.pp_schedule,
+                   help="1f1b (one stage per rank), interleaved (--pp-virtual stages per rank, looped) or zero-bubble "
+                   "(ZBV: 2 stages per rank in a V, weight gradients deferred into the bubble)")
+    p.add_argument("--pp-virtual", type=positive_int, default=d.pp_virtual, metavar="V",
+                   help="stages per pipeline rank (default 1 for 1f1b, 2 for interleaved and zero-bubble)")
+    p.add_argument("--pp-layers", type=_layer_counts, default=d.pp_layers, metavar="N,N,...",
+                   help="decoder layers per stage (pp x V counts summing to the model's layers); default: balanced "
+                   "by the cost model (k3.distributed.pipeline.split_layers)")
     p.add_argument("--qat", choices=["mxfp4"], default=d.qat, help="quantisation-aware training: routed experts "
                    "with MXFP4 weights and MXFP8 inputs (fake-quant), recorded in the checkpoint's config.json")
     p.add_argument("--init-from", default=d.init_from, metavar="CHECKPOINT", help="start from this checkpoint's "
@@ -71,6 +82,18 @@ def add_train_arguments(p, defaults: TrainConfig) -> None:
     p.add_argument("--stop-after", type=positive_int, default=d.stop_after, metavar="STEP",
                    help="stop after this step with a checkpoint; run the same command again to resume")
     add_verify_argument(p)
+
+
+def _layer_counts(text: str) -> tuple[int, ...]:
+    import argparse
+
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive layer counts separated by commas, e.g. 2,2,1,1")
+    return counts
 
 
 def config_from_args(args, base: TrainConfig) -> TrainConfig:
@@ -82,7 +105,8 @@ def config_from_args(args, base: TrainConfig) -> TrainConfig:
         eval_every=args.eval_every, log_every=args.log_every, save_every=args.save_every, seed=args.seed,
         device=args.device, kda_backend=args.kda_backend, memory_policy=args.memory_policy, compile=args.compile,
         cuda_graph=args.cuda_graph, packing=args.packing, save_minutes=args.save_minutes,
-        stop_after=args.stop_after, dp=args.dp, cp=args.cp, ep=args.ep, verify=args.verify, qat=args.qat,
+        stop_after=args.stop_after, dp=args.dp, cp=args.cp, ep=args.ep, pp=args.pp,
+        pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual, pp_layers=args.pp_layers, verify=args.verify, qat=args.qat,
         init_from=args.init_from, chat=base.chat)
 
 
@@ -110,7 +134,14 @@ def run_training(cfg: TrainConfig, log=print, command: str = "train", prepare=No
     from ..distributed.plan import ParallelDims, ParallelPlan
     from ..train.loop import resolve_device
 
-    plan = ParallelPlan(ParallelDims(cfg.dp, cfg.ep, cfg.cp), device=resolve_device(cfg.device))
+    dims = ParallelDims(cfg.dp, cfg.ep, cfg.cp)
+    if cfg.pp > 1:
+        from ..distributed.pipeline_plan import PipelineDims, PipelinePlan
+
+        pipe = PipelineDims(cfg.pp, cfg.pp_schedule, cfg.pp_virtual, cfg.pp_layers)
+        plan = PipelinePlan(dims, pipe, resolve_device(cfg.device), cfg.grad_accum, cfg.seq_len, cfg.batch_size)
+    else:
+        plan = ParallelPlan(dims, device=resolve_device(cfg.device))
     try:
         return train(cfg, plan, log=log, prepare=prepare), plan.rank
     except KeyboardInterrupt as e:

@@ -121,24 +121,31 @@ class ParallelPlan:
     """The training loop's ``TrainingPlan`` for any ("dp", "ep", "cp") layout (see the module docstring).
 
     Construction joins torchrun's process group (``init_from_env``; ``device`` is the TrainConfig's) and builds the
-    mesh and its groups: a collective when W > 1, nothing at all when W = 1."""
+    mesh and its groups: a collective when W > 1, nothing at all when W = 1. ``mesh``: instead, a ("dp", "ep", "cp")
+    sub-mesh of a larger mesh (one pipeline stage's ranks, k3.distributed.pipeline_plan); rank and world are then
+    this rank's place in it and its size, and every collective stays inside it."""
 
-    def __init__(self, dims: ParallelDims, device: str | torch.device | None = None):
-        self.rank, self.world, self.device = init_from_env(device)
+    def __init__(self, dims: ParallelDims, device: str | torch.device | None = None, mesh=None):
+        if mesh is None:
+            self.rank, self.world, self.device = init_from_env(device)
+        else:
+            d, e, c = mesh.get_coordinate()
+            self.rank, self.world, self.device = (d * dims.ep + e) * dims.cp + c, mesh.size(), torch.device(device)
         dims.check(self.world)
         self.dims, self.batch_slices = dims, dims.batch_slices
         self.slice, self.cp_rank = self.rank // dims.cp, self.rank % dims.cp
         self._experts: dict[str, torch.nn.Parameter] = {}  # name -> expert bank weight sharded outside FSDP
-        self.mesh = self.ep_group = self.cp_group = self.column_group = self.flat = None
+        self.mesh = self.ep_group = self.cp_group = self.column_group = self.flat = self.group = None
         if self.world > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
-            self.mesh = init_device_mesh(self.device.type, (dims.dp, dims.ep, dims.cp),
-                                         mesh_dim_names=("dp", "ep", "cp"))
+            self.mesh = mesh or init_device_mesh(self.device.type, (dims.dp, dims.ep, dims.cp),
+                                                 mesh_dim_names=("dp", "ep", "cp"))
             self.ep_group, self.cp_group = self.mesh["ep"].get_group(), self.mesh["cp"].get_group()
             # the D*C ranks of this rank's ep index (group rank dp_index * C + cp_index): its experts' shards
             self.column_group = self.mesh["dp", "cp"]._flatten("dp_cp").get_group()
             self.flat = self.mesh._flatten("dp_ep_cp")  # all ranks in rank order: FSDP's mesh and the experts'
+            self.group = self.flat.get_group() if mesh is not None else None  # None: the whole world
 
     def shard(self, model) -> None:
         if self.world == 1:
@@ -146,7 +153,7 @@ class ParallelPlan:
         from torch.distributed.fsdp import fully_shard
 
         for t in list(model.parameters()) + list(model.buffers()):  # identical replicas before anything is split
-            dist.broadcast(t.data, src=0)
+            dist.broadcast(t.data, group=self.group, group_src=0)
         ignored = self._shard_experts(model) if self.dims.ep > 1 else set()
         kwargs = {"ignored_params": ignored} if ignored else {}
         for layer in list(model.model.layers) + list(model.mtp):
@@ -204,7 +211,7 @@ class ParallelPlan:
         if self.world == 1:
             return x
         t = x.detach().to(collective_device(), torch.float64, copy=True)  # NCCL: stays on the GPU, no wait for it
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.group)
         return (t / self.world).to(x.dtype)
 
     def reduce_grads(self, model) -> None:
@@ -214,7 +221,8 @@ class ParallelPlan:
                 p.grad.div_(self.world)
 
     def sync_max_logits(self, max_logit: dict) -> None:
-        max_logits_across_ranks(max_logit)
+        if self.world > 1:
+            max_logits_across_ranks(max_logit, self.group)
 
     def full_state(self, model) -> dict:
         """Full tensors (on CPU, on rank 0; empty elsewhere) of every weight and buffer, experts in their true
@@ -237,7 +245,7 @@ class ParallelPlan:
 
     def barrier(self) -> None:
         if self.world > 1:
-            dist.barrier()
+            dist.barrier(group=self.group)
 
     def close(self) -> None:
         if dist.is_initialized():

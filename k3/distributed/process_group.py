@@ -56,10 +56,11 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def max_logits_across_ranks(max_logit: dict) -> None:
-    """QK-clip must compare the GLOBAL max logit of each head with tau: all-reduce (MAX) what each rank saw, in place
-    ({layer: [H] fp32}, the same layers on every rank, in one order)."""
+def max_logits_across_ranks(max_logit: dict, group=None) -> None:
+    """QK-clip must compare the GLOBAL max logit of each head with tau: all-reduce (MAX) what each rank of ``group``
+    (default: the world) saw, in place ({layer: [H] fp32}, the same layers on every rank of the group, in one
+    order)."""
     if not is_distributed():
         return
     for layer in sorted(max_logit):
-        dist.all_reduce(max_logit[layer], op=dist.ReduceOp.MAX)
+        dist.all_reduce(max_logit[layer], op=dist.ReduceOp.MAX, group=group)

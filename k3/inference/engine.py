@@ -18,6 +18,7 @@ run the same loop on a thread. If a step raises, every open request ends with Fi
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ import torch
 from ..model.params import count_parameters
 from .api import FinishEvent, GenerationRequest, SamplingParams
 from .output import OutputProcessor, RequestHandle
+from .pacing import StepPacer
 from .pool import HostPool, PageLayout, PagePool
 from .prefix import PrefixCache
 from .runner import ModelRunner
@@ -63,6 +65,8 @@ class EngineConfig:
     # image does not hold the other sequences back for the whole tower); default: what one prefill chunk of the text
     # model costs (2 x active parameters x prefill_chunk), at least MIN_IMAGE_STEP_FLOPS
     image_step_flops: float | None = None
+    # while any sequence decodes, prompt chunks shrink so a step takes about this long (k3.inference.pacing)
+    decode_step_target_s: float = 0.25
 
     def __post_init__(self):
         for name in ("num_pages", "page_tokens", "hash_block", "checkpoint_every", "prefill_chunk", "step_tokens",
@@ -71,6 +75,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.decode_prompt_tokens is not None and self.decode_prompt_tokens < 0:
             raise ValueError(f"EngineConfig.decode_prompt_tokens must be >= 0, got {self.decode_prompt_tokens}")
+        if not self.decode_step_target_s > 0:
+            raise ValueError(f"EngineConfig.decode_step_target_s must be > 0, got {self.decode_step_target_s}")
         if self.image_step_flops is not None and not self.image_step_flops > 0:
             raise ValueError(f"EngineConfig.image_step_flops must be > 0, got {self.image_step_flops}")
         if self.host_pages < 0:
@@ -113,6 +119,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.prefix, SchedulerConfig(
             config.step_tokens, config.prefill_chunk, config.max_batch, config.long_prompt, config.long_share,
             decode_prompt_tokens=feed), config.hash_block, image_ready=self.runner.images.ready)
+        self.pacer = StepPacer(config.decode_step_target_s, config.prefill_chunk)
         self.image_step_flops = config.image_step_flops or max(
             MIN_IMAGE_STEP_FLOPS, 2.0 * count_parameters(mc)["active"] * config.prefill_chunk)
         self.output = OutputProcessor(tokenizer, eos_id(tokenizer), self.max_context)
@@ -275,8 +282,6 @@ class Engine:
         """Compile and capture everything the steps will use (every CUDA-graph bucket and sampler variant, the
         prefill shapes that autotune) before the first request, so no request waits for it; ``progress(text)`` hears
         what it is doing. Returns the seconds it took. Touches only the pool's scratch page."""
-        import time
-
         t0 = time.perf_counter()
         with self._lock:
             self.runner.warmup(self.cfg.prefill_chunk, self.cfg.step_tokens, progress)
@@ -297,9 +302,11 @@ class Engine:
             images = self.scheduler.images_to_encode()
         if images:
             self.runner.images.encode(images, self.image_step_flops)
+        t0 = time.perf_counter()
         with self._lock:
             for seq in [s for s in self.seqs.values() if s.aborted]:
                 self._finish(seq, "abort")
+            self.scheduler.prefill_cap = self.pacer.cap()
             plan = self.scheduler.schedule()
             if plan.empty and self._in_flight is None and self.scheduler.waiting and not self.scheduler.running:
                 seq = self.scheduler.waiting[0]  # nothing runs and it cannot start: say so rather than spin
@@ -317,10 +324,13 @@ class Engine:
                 with self._lock:
                     self.scheduler.update(plan, self.seqs)  # before delivery can finish (and unlist) a sequence
                 self._deliver(launched[1].wait())
+                self.pacer.observe(sum(len(it.tokens) for it in plan.prefill), time.perf_counter() - t0)
             return
         ready, self._in_flight = self._in_flight, launched
         if ready is not None:
             self._deliver(ready[1].wait())  # first: the tokens this plan fed from the device are then known
+            # the wait took about the device time of the step before: time it with that step's prompt tokens
+            self.pacer.observe(sum(len(it.tokens) for it in ready[0].prefill), time.perf_counter() - t0)
         if launched is not None:
             with self._lock:
                 self.scheduler.update(plan, self.seqs)

@@ -165,8 +165,22 @@ class PrefillMixer(InferenceMixer):
             k = torch.cat([k_nope, lat[:, None, R:].expand(s + n, H, mla.pe)], dim=-1)
             lo = self.offsets[i]
             qi = q[lo: lo + n].transpose(0, 1)[None]  # [1,H,n,Dn+Dr]
-            mask = causal_lower_right(n, s + n) if s else None
-            o = F.scaled_dot_product_attention(qi, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                               attn_mask=mask, is_causal=not s, scale=mla.scale)
+            o = _causal_attention(qi, k.transpose(0, 1)[None], v.transpose(0, 1)[None], s, mla.scale)
             outs.append(o[0].transpose(0, 1).reshape(n, H * mla.dv))
         return mla.output(torch.cat(outs)[None], inp.gate)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: int, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale + causal) v for ``n`` new queries after ``s`` cached tokens (query i sees keys <= s + i):
+    q [1,H,n,D], k [1,H,s+n,D], v [1,H,s+n,Dv] -> [1,H,n,Dv]. On CUDA, SDPA's lower-right causal bias runs flash
+    attention. On the CPU that bias falls back to the math path, which builds the n x (s+n) float scores and mask in
+    several copies (19 s of a 2,048-token chunk at 8K context on ``tiny``); CPU flash attention takes a boolean mask
+    but one head size, so v is zero-padded to D (its extra columns come out zero and are dropped): 5x faster there."""
+    n = q.shape[2]
+    if q.device.type != "cpu":
+        mask = causal_lower_right(n, s + n) if s else None
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not s, scale=scale)
+    D, Dv = q.shape[-1], v.shape[-1]
+    vp = F.pad(v, (0, D - Dv)) if Dv < D else v
+    mask = torch.ones(n, s + n, dtype=torch.bool, device=q.device).tril(s) if s else None
+    return F.scaled_dot_product_attention(q, k, vp, attn_mask=mask, is_causal=not s, scale=scale)[..., :Dv]

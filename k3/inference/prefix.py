@@ -219,6 +219,13 @@ class PrefixCache:
                     elif x.host != hp:
                         self._unlink_host(h, x.host)
 
+    def reusable_blocks(self) -> dict[bytes, bool]:
+        """Every cached fine block's chain hash -> whether a hit may end after it (a KDA checkpoint is kept there, or
+        the model has no KDA layers): the state a fleet router mirrors (k3.router), since a hybrid prefix is only
+        reusable where both the MLA pages and a KDA checkpoint exist."""
+        kda = self.pool.layout.n_kda
+        return {h: not kda or h in self.checkpoints for h in self.blocks}
+
     @property
     def num_checkpoints(self) -> int:
         return len(self.checkpoints)

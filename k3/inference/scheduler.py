@@ -2,8 +2,12 @@
 
 Each ``schedule()`` fills one step's token budget (``step_tokens``):
 1. every running sequence past its prompt decodes one token (a new page when it crosses a page boundary);
-2. running prompts continue in chunks (``prefill_chunk`` at most), then waiting requests are admitted (a
-   prefix-cache hit restores their first pages and KDA checkpoint) and start theirs.
+2. waiting prompts that fit the rest of the step whole are admitted first (a prefix-cache hit restores their
+   first pages and KDA checkpoint), then running prompts continue in chunks (``prefill_chunk`` at most), the
+   fewest remaining tokens first, then the other waiting requests are admitted and start theirs. While any
+   sequence decodes, prompt tokens per step are capped at ``prefill_cap`` (set by the engine from the measured
+   step time, ``k3.inference.pacing``), so a 20K-token prompt delays each decoded token by one capped chunk, not by
+   a 2,048-token one, and a short prompt's first token comes after one step (shortest remaining prompt first).
 Prompts of ``long_prompt`` tokens or more form the long class: while short requests wait or prefill, long ones
 get at most ``long_share`` of the prefill budget and of the pool's pages, so a burst of 1M-token requests cannot
 hold back a short request's first token (the report's per-class admission).
@@ -137,6 +141,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self.prefill_cap: int | None = None  # prompt tokens per step while any sequence decodes (None: no cap)
         self._arrivals = itertools.count()
 
     def add(self, seq: Sequence) -> None:
@@ -159,22 +164,38 @@ class Scheduler:
                 if self._grow(seq, 1, out):
                     out.decode.append(self._decode_item(seq))
                     budget -= 1
+        if out.decode and self.prefill_cap is not None:
+            budget = min(budget, self.prefill_cap)  # decoding streams wait for this step: keep it short
         short_waiting = any(not s.long for s in self.waiting) or any(
             not s.long and s.pending > 1 for s in self.running)
         long_budget = int(budget * self.cfg.long_share) if short_waiting else budget
         for cls_long in (False, True):
-            for seq in [s for s in self.running if s.long == cls_long and s.pending > 1]:
-                budget, long_budget = self._chunk(seq, out, budget, long_budget)
-            while self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch:
-                seq = next((s for s in self.waiting if s.long == cls_long), None)
-                if seq is None or (seq.long and (long_budget <= 0 or not self._long_pages_ok(seq))):
-                    break
-                if not self._admit(seq):
-                    break
-                self.waiting.remove(seq)
-                self.running.append(seq)
-                budget, long_budget = self._chunk(seq, out, budget, long_budget)
+            for whole in (True, False):  # waiting prompts that fit whole, then running chunks, then the rest
+                if not whole:
+                    planned = {it.seq_id for it in [*out.prefill, *out.decode]}  # admitted whole just now
+                    for seq in sorted((s for s in self.running if s.long == cls_long and s.pending > 1
+                                       and s.id not in planned), key=lambda s: s.pending):
+                        budget, long_budget = self._chunk(seq, out, budget, long_budget)
+                budget, long_budget = self._admit_waiting(cls_long, whole, out, budget, long_budget)
         return out
+
+    def _admit_waiting(self, cls_long: bool, whole: bool, out: SchedulerOutput, budget: int,
+                       long_budget: int) -> tuple[int, int]:
+        """Admit waiting requests of one class in arrival order; ``whole``: only those whose prompt fits the rest
+        of this step (and one chunk) whole, passing over the others."""
+        for seq in [s for s in self.waiting if s.long == cls_long]:
+            if budget <= 0 or len(self.running) >= self.cfg.max_batch:
+                break
+            if whole and seq.pending > min(budget, self.cfg.prefill_chunk):
+                continue
+            if seq.long and (long_budget <= 0 or not self._long_pages_ok(seq)):
+                break
+            if not self._admit(seq):
+                break
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            budget, long_budget = self._chunk(seq, out, budget, long_budget)
+        return budget, long_budget
 
     def _decode_item(self, seq: Sequence) -> DecodeItem:
         token = FROM_DEVICE if seq.in_flight else seq.tokens[-1]

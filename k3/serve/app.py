@@ -33,6 +33,7 @@ from ..inference.api import FinishEvent, GenerationRequest, SamplingParams, Toke
 from ..inference.engine import EngineFailed
 from ..vision.preprocess import ImageError
 from .backend import LocalBackend, RequestStream
+from .fleet import add_fleet_routes
 from .format import DONE, ChatFormat, CompletionFormat, Formatter, sse
 from .images import NoVisionTower, chat_prompt
 from .protocol import APIError, ChatRequest, CompletionRequest, error_body, validation_message
@@ -291,6 +292,7 @@ def create_app(engine: Any, chat_template: Any = None) -> FastAPI:
         fmt = ChatFormat(engine.model_name, tokenizer, bool(req.logprobs), include_usage, parser=parser)
         return await _respond(fmt, _submit(engine, ids, params, fmt.id, images), request, bool(req.stream))
 
+    add_fleet_routes(app, engine, template, _prompt_ids)  # /v1/prefix_cache, /v1/tokenize (k3.router)
     return app
 
 

@@ -18,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 from collections import deque
 from typing import Any
 
 from ..inference.api import FinishEvent, GenerationRequest
+from .fleet import PUBLISH_EVERY, PrefixMirror, PrefixTracker
 from .images import vision_of
 
 __all__ = ["RequestStream", "LocalBackend", "dispatch"]
@@ -100,6 +102,9 @@ class LocalBackend:
         self._warmup = warmup
         self._pending: deque = deque()  # appended by the engine's thread, drained by flush (both atomic)
         self._streams: dict[str, RequestStream] = {}
+        prefix, cfg = getattr(engine, "prefix", None), getattr(engine, "cfg", None)
+        self.prefix_mirror = PrefixMirror(getattr(cfg, "hash_block", 0), prefix is not None)
+        self._tracker, self._published_at = PrefixTracker(prefix), 0.0
         engine.after_step = self.flush
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
@@ -158,6 +163,11 @@ class LocalBackend:
             except RuntimeError:  # that loop is closed (its client's test portal, or shutdown)
                 for rid, _ in batch:
                     self._streams.pop(rid, None)
+        if time.monotonic() - self._published_at > PUBLISH_EVERY:  # what a fleet router mirrors (k3.serve.fleet)
+            self._published_at = time.monotonic()
+            delta = self._tracker.poll()
+            if delta is not None:
+                self.prefix_mirror.apply(*delta)
 
     def health(self) -> dict:
         failed = getattr(self.engine, "failed", None)

@@ -30,6 +30,7 @@ from typing import Any, Callable
 from ..inference.api import FinishEvent, GenerationRequest
 from ..inference.engine import EngineFailed
 from .backend import RequestStream, dispatch
+from .fleet import PUBLISH_EVERY, PrefixMirror, PrefixTracker
 from .images import vision_of
 
 __all__ = ["EngineProcess", "tokenizer_digest"]
@@ -76,7 +77,8 @@ def _core_main(build: Callable, requests, replies) -> None:
     send(("hello", {"model_name": engine.model_name, "max_context": engine.max_context,
                     "vocab_size": engine.tokenizer.get_vocab_size(with_added_tokens=True),
                     "model_vocab": engine.model.config.vocab_size, "vision": vision_of(engine),
-                    "digest": tokenizer_digest(engine.tokenizer), "stats": engine.stats()}))
+                    "digest": tokenizer_digest(engine.tokenizer), "stats": engine.stats(),
+                    "hash_block": engine.cfg.hash_block, "prefix_cache": engine.prefix is not None}))
     try:
         seconds = engine.warmup(progress=lambda text: send(("phase", f"warming up: {text}")))
     except Exception as e:  # noqa: BLE001
@@ -85,7 +87,8 @@ def _core_main(build: Callable, requests, replies) -> None:
     gc.collect()
     gc.freeze()  # the model, pool and graphs live for the whole run: no collection walks them again
     outbox: deque = deque()
-    state = {"stats_at": 0.0, "failed_sent": False}
+    state = {"stats_at": 0.0, "failed_sent": False, "prefix_at": 0.0}
+    tracker = PrefixTracker(engine.prefix)
 
     def flush() -> None:
         items = []
@@ -97,6 +100,11 @@ def _core_main(build: Callable, requests, replies) -> None:
         if now - state["stats_at"] > STATS_EVERY:
             state["stats_at"] = now
             send(("stats", engine.stats()))
+        if now - state["prefix_at"] > PUBLISH_EVERY:  # what a fleet router mirrors (k3.serve.fleet)
+            state["prefix_at"] = now
+            delta = tracker.poll()
+            if delta is not None:
+                send(("prefix", *delta))
         if engine.failed and not state["failed_sent"]:
             state["failed_sent"] = True
             send(("failed", engine.failed))
@@ -113,6 +121,9 @@ def _core_main(build: Callable, requests, replies) -> None:
                     if stats != last_stats:
                         last_stats = stats
                         send(("stats", stats))
+                    delta = tracker.poll()
+                    if delta is not None:
+                        send(("prefix", *delta))
                     continue
                 msg = requests.recv()
             except (EOFError, OSError):  # the server process is gone
@@ -148,6 +159,7 @@ class EngineProcess:
         self.model_name, self.max_context, self.vocab_size, self.vision = "", 0, 0, None
         self.ready, self.phase, self.failed, self.fatal, self.warmup_s = False, "loading the model", None, None, None
         self._stats: dict = {}
+        self.prefix_mirror: PrefixMirror | None = None  # set by the hello
         self._streams: dict[str, RequestStream] = {}
         self._hello = threading.Event()
         self._send_lock = threading.Lock()
@@ -180,6 +192,8 @@ class EngineProcess:
                 self._deliver(msg[1])
             elif kind == "stats":
                 self._stats = msg[1]
+            elif kind == "prefix":
+                self.prefix_mirror.apply(msg[1], msg[2])
             elif kind == "phase":
                 self.phase = msg[1]
             elif kind == "hello":
@@ -201,6 +215,7 @@ class EngineProcess:
     def _take_hello(self, info: dict) -> None:
         self.model_name, self.max_context, self.vision = info["model_name"], info["max_context"], info["vision"]
         self.vocab_size, self._stats = info["vocab_size"], info["stats"]
+        self.prefix_mirror = PrefixMirror(info["hash_block"], info["prefix_cache"])
         if info["digest"] != tokenizer_digest(self.tokenizer):
             self.fatal = self.failed = ("the engine process loaded a different tokenizer than the server process; "
                                         "restart k3 serve (is the checkpoint being rewritten?)")

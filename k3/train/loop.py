@@ -32,7 +32,7 @@ MIN_SEQ_LEN = 4  # shorter samples can hold no next-token or MTP target at all (
 # the smallest value of each integer setting (None, where allowed, means "all" / "never")
 MINIMUMS = {"steps": 1, "batch_size": 1, "seq_len": MIN_SEQ_LEN, "grad_accum": 1, "eval_every": 1, "eval_batches": 1,
             "log_every": 1, "save_every": 1, "data_max_bytes": 1, "doc_chars": 1, "tokenizer_bytes": 1,
-            "stop_after": 1, "dp": 1, "cp": 1, "ep": 1}
+            "stop_after": 1, "dp": 1, "cp": 1, "ep": 1, "pp": 1}
 # the default checkpoint cadence: every SAVE_FRACTION of --steps (when --save-every is not given), and in any case
 # once SAVE_MINUTES have passed since the last checkpoint, whichever comes first: a killed run loses at most that
 SAVE_FRACTION = 0.1
@@ -80,6 +80,10 @@ class TrainConfig:
     dp: int = 1  # data-parallel ranks (FSDP2) when run under torchrun; batch_size is per rank
     cp: int = 1  # context-parallel ranks: every sequence is split along time over them (KCP + gathered MLA)
     ep: int = 1  # expert-parallel ranks: routed experts sharded, MoonEP-balanced all-to-all dispatch
+    pp: int = 1  # pipeline ranks (k3.distributed.pipeline_plan): decoder layers cut into stages
+    pp_schedule: str = "1f1b"  # 1f1b | interleaved | zero-bubble
+    pp_virtual: int | None = None  # stages per pipeline rank (None: 1 for 1f1b, 2 otherwise)
+    pp_layers: tuple | None = None  # decoder layers per stage (None: balanced by the cost model)
     verify: bool = True  # check the checkpoint's SHA256SUMS before resuming from it
     qat: str | None = None  # "mxfp4": quantisation-aware training of the routed experts (SPEC §6)
     init_from: str | None = None  # start from this checkpoint's weights and tokenizer (fine-tuning, e.g. QAT)
@@ -216,9 +220,10 @@ def _agreed_minutes(plan: TrainingPlan, since: float) -> float:
 def _train(cfg: TrainConfig, plan: TrainingPlan, log, stop: StopRequest, prepare) -> dict:
     run = Path(cfg.out)
     rank, world = plan.rank, plan.world
-    if world != cfg.dp * cfg.cp * cfg.ep:
-        raise ValueError(f"--dp {cfg.dp} x --cp {cfg.cp} x --ep {cfg.ep} ranks but {world} process(es) are running: "
-                         f"start them under `torchrun --nproc_per_node N -m k3 train ...` with N = dp x cp x ep")
+    if world != cfg.dp * cfg.cp * cfg.ep * cfg.pp:
+        raise ValueError(f"--pp {cfg.pp} x --dp {cfg.dp} x --cp {cfg.cp} x --ep {cfg.ep} ranks but {world} process(es) "
+                         "are running: start them under `torchrun --nproc_per_node N -m k3 train ...` with "
+                         "N = pp x dp x cp x ep")
     created = False
     if rank == 0:
         try:
@@ -308,7 +313,7 @@ def _train_locked(cfg: TrainConfig, plan: TrainingPlan, log, stop: StopRequest, 
         rec = trainer.step([next(batches) for _ in range(cfg.grad_accum)], measure=logging)
         step = rec["step"]
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            rec["val_loss"] = evaluate(model, val_set, cfg.batch_size * plan.batch_slices, cfg.eval_batches, device,
+            rec["val_loss"] = getattr(plan, "evaluate", evaluate)(model, val_set, cfg.batch_size * plan.batch_slices, cfg.eval_batches, device,
                                        trainer.amp)
         if (step % cfg.log_every == 0 or "val_loss" in rec or step == cfg.steps) and rank == 0:
             now = time.time()

@@ -102,6 +102,16 @@ class SavedStats:
         else:
             self._refs.append(weakref.ref(t))
 
+    def live_bytes(self) -> int:
+        """What is kept right now (each storage once), while the forward runs: a pipeline stage reads it after each
+        micro-batch's forward, where its memory peaks with several micro-batches in flight."""
+        live = {}
+        for ref in self._refs:
+            t = ref()
+            if t is not None and t.untyped_storage().data_ptr():
+                live[t.untyped_storage().data_ptr()] = _nbytes(t)
+        return sum(live.values())
+
     def _finish(self) -> None:
         kept = {}
         for ref in self._refs:

@@ -150,6 +150,8 @@ def load_checkpoint(ckpt: Path, expected: K3Config | None, device="cpu", verify:
                             vision=vision)
     state = _load(ckpt / "trainer_state.pt")
     world = dist.get_world_size() if dist.is_initialized() else 1
+    if isinstance(state.get("optimizer"), dict) and state["optimizer"].get("format") == "by_name":
+        return model, state  # optimiser state by parameter name (k3.train.optim.named): any layout resumes it
     if state.get("world_size", 1) != world:
         raise CheckpointError(f"{ckpt} was written by {state.get('world_size', 1)} data-parallel ranks; resume it "
                               f"with the same number of processes (got {world})")

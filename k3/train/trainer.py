@@ -30,6 +30,7 @@ from .compile import compile_model
 from .graph import StepGraph
 from .memory import ActivationManager
 from .optim import build_optimizer, clip_coefficient
+from .optim.named import is_named, load_named_state, to_named
 from .plan import StepLoss
 from .qk_clip import qk_clip_
 from .schedule import build_scheduler, resume_point
@@ -69,23 +70,40 @@ class Trainer:
         if cfg.compile:
             compile_model(model)
         model.train()
+        self.pipelined = getattr(plan, "pipelined", False)  # k3.distributed.pipeline_plan: stages, a schedule
+        if self.pipelined and state is not None:  # a numbered (one-process) optimiser state, by name before the cut
+            state["optimizer"] = to_named(model, state["optimizer"],
+                                          lambda m: build_optimizer(m, lr=cfg.lr, weight_decay=cfg.weight_decay))
         plan.shard(model)  # several processes: experts split, the rest FSDP2-sharded (k3.distributed.plan)
         self.optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.resumed_at = None if state is None else resume_point(state, saved_steps, cfg.steps, cfg.warmup_frac,
                                                                   cfg.min_lr_ratio)
         self.scheduler = build_scheduler(self.optimizer, cfg.steps, cfg.warmup_frac, cfg.min_lr_ratio, self.resumed_at)
-        has_experts = bool(model.config.num_experts)
-        self.balancer = ExpertBalancer(model, method=cfg.balance) if cfg.balance != "none" and has_experts else None
+        from ..layers.width.latent_moe import LatentMoE
+
+        has_experts = any(isinstance(m, LatentMoE) for m in model.modules())  # (a pipeline stage may hold none)
+        self.balancing = cfg.balance != "none" and bool(model.config.num_experts)
+        self.balancer = ExpertBalancer(model, method=cfg.balance, group=getattr(plan, "balance_group", None)) \
+            if self.balancing and has_experts else None
         # the statistics the step's forwards return (k3.layers.stats): QK-clip's max logits, the balancer's routing
         self.record = (("max_logit",) if cfg.qk_clip_tau else ()) + (("routing",) if self.balancer is not None else ())
         if cfg.cuda_graph:
             self.graph = StepGraph(model, plan, self.memory, cfg.mtp_weight, cfg.grad_accum, self.record)
         self.step_count, self.tokens = 0, 0
         if state is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
+            if is_named(state["optimizer"]):  # written under another layout (k3.train.optim.named)
+                load_named_state(model, self.optimizer, state["optimizer"])
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
+            sched = state["scheduler"]
+            if is_named(state["optimizer"]):  # another layout's optimiser may have had other groups: one lr for all
+                n = len(self.optimizer.param_groups)
+                sched = {**sched, "base_lrs": sched["base_lrs"][:1] * n, "_last_lr": sched["_last_lr"][:1] * n,
+                         "lr_lambdas": [{} for _ in range(n)]}
+            self.scheduler.load_state_dict(sched)
             if self.balancer is not None:
-                self.balancer.load_state_dict(state["balancer"])
+                pick = getattr(plan, "stage_balancer_state", None)  # a pipeline stage's MoE layers of every layer's
+                self.balancer.load_state_dict(pick(state["balancer"]) if pick else state["balancer"])
             set_rng_state(state["rng"])
             self.step_count, self.tokens = state["step"], state["tokens"]
         device = plan.device
@@ -111,7 +129,15 @@ class Trainer:
         if graphed and n != self.graph.micro_batches:
             raise ValueError(f"--cuda-graph: this step has {n} micro-batches, the captured step "
                              f"{self.graph.micro_batches}; keep --grad-accum fixed")
-        loss_sum, mtp_sum, first_saved, max_logit = 0.0, 0.0, None, None
+        loss_sum, mtp_sum, first_saved, peaks, max_logit = 0.0, 0.0, None, None, None
+        if self.pipelined:  # the schedule runs every micro-batch's forward and backward (k3.distributed.pipeline_plan)
+            with self.amp, self.memory.forward(measure=measure) as saved:
+                lm, mtp, tokens, peaks, max_logit = self.plan.pipeline_step(
+                    model, micro_batches, self.cfg.mtp_weight, self.record,
+                    self.balancer.observe if self.balancer else None, saved if measure else None)
+            loss_sum, mtp_sum, micro_batches = lm, (mtp if mtp is not None else 0.0), []
+            first_saved = max(peaks) if peaks else None  # the most any pipeline rank held at once
+            self.tokens += tokens
         for i, batch in enumerate(micro_batches):
             if graphed:
                 res = self.graph.run(batch, i)
@@ -129,7 +155,7 @@ class Trainer:
             self.tokens += res.tokens
         self.plan.reduce_grads(model)
         # clipping's factor is applied inside the optimiser's passes (no pass of its own over the gradients)
-        grad_norm, coef = clip_coefficient(model.parameters(), self.cfg.grad_clip)
+        grad_norm, coef = getattr(self.plan, "clip_coefficient", clip_coefficient)(model.parameters(), self.cfg.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step(scale=coef)
         self.scheduler.step()
@@ -154,14 +180,20 @@ class Trainer:
         clipped = int(figures["clipped"])
         if not math.isfinite(loss_sum):
             raise FloatingPointError(f"loss became {loss_sum} at step {self.step_count}; lower --lr or check the data")
+        pairs = [values[i:i + 2] for i in range(len(read), len(values), 2)]
+        if self.pipelined and self.balancing:  # every stage's layers, for the log
+            pairs = self.plan.gather_loads(pairs)
+            load = pairs or None
         if load is not None:
-            load = self.balancer.load_stats([values[i:i + 2] for i in range(len(read), len(values), 2)])
+            load = ExpertBalancer.load_stats(pairs)
         self.step_count += 1
         rec = {"step": self.step_count, "loss": loss_sum, "lr": lr, "tokens": self.tokens, "grad_norm": grad_norm}
         if graphed:
             rec["cuda_graph_captures"] = self.graph.captures
         if measure:  # what the first micro-batch's forward left for its backward on the device (k3.train.memory)
             rec["saved_activation_bytes"] = self.graph.saved_activation_bytes if graphed else first_saved
+            if peaks:  # per pipeline rank: its stages' saved activations at their peak (several micro-batches)
+                rec["pp_saved_activation_bytes"] = peaks
         if mtp_sum:
             rec["mtp_loss"] = mtp_sum
         if load is not None:
@@ -178,6 +210,11 @@ class Trainer:
         state = {"scheduler": self.scheduler.state_dict(), "step": self.step_count, "tokens": self.tokens,
                  "rng": rng_state(), "balancer": self.balancer.state_dict() if self.balancer is not None else None,
                  "schedule": {"total_steps": self.cfg.steps, "resumed_at": self.resumed_at}, **extra}
+        parts = getattr(self.plan, "checkpoint_parts", None)
+        if parts is not None:  # pipeline stages: rank 0 gets every stage's balancer (and optimiser, by name)
+            entries, shard = parts(self.model, self.optimizer, self.balancer)
+            return save_checkpoint(run, self.model, tokenizer_path, {**state, **entries}, config_json,
+                                   model_state=self.plan.full_state(self.model), optimizer_shard=shard)
         if self.plan.world == 1:
             return save_checkpoint(run, self.model, tokenizer_path, {**state, "optimizer": self.optimizer.state_dict()},
                                    config_json)

@@ -77,8 +77,31 @@ def test_prefill_chunk_caps_a_prompt_below_the_budget():
     sched, seqs = make(step_tokens=64, prefill_chunk=5)
     add(sched, seqs, "a", range(12))
     add(sched, seqs, "b", range(3))
-    assert shape(step(sched, seqs)) == [("P", "a", 0, 5, False), ("P", "b", 0, 3, True)]
+    # b fits the step whole: admitted before a's first chunk (shortest prompt first)
+    assert shape(step(sched, seqs)) == [("P", "b", 0, 3, True), ("P", "a", 0, 5, False)]
     assert shape(step(sched, seqs)) == [("P", "a", 5, 5, False), ("D", "b", 3, 1, True)]
+
+
+def test_a_short_prompt_starts_in_the_step_it_arrives_while_a_long_one_prefills():
+    """SRPT for prompts: a running 40-token prompt does not push a 3-token arrival past the step's budget."""
+    sched, seqs = make(step_tokens=8, prefill_chunk=8)
+    add(sched, seqs, "big", range(40))
+    assert shape(step(sched, seqs)) == [("P", "big", 0, 8, False)]
+    add(sched, seqs, "short", range(100, 103))
+    assert shape(step(sched, seqs)) == [("P", "short", 0, 3, True), ("P", "big", 8, 5, False)]
+    assert shape(step(sched, seqs)) == [("P", "big", 13, 7, False), ("D", "short", 3, 1, True)]
+
+
+def test_prefill_cap_bounds_prompt_tokens_while_a_sequence_decodes():
+    sched, seqs = make(step_tokens=64, prefill_chunk=32)
+    sched.prefill_cap = 6
+    add(sched, seqs, "a", range(4))
+    assert shape(step(sched, seqs)) == [("P", "a", 0, 4, True)]  # nothing decodes yet: no cap
+    add(sched, seqs, "b", range(100, 130))
+    assert shape(step(sched, seqs)) == [("P", "b", 0, 6, False), ("D", "a", 4, 1, True)]
+    assert shape(step(sched, seqs)) == [("P", "b", 6, 6, False), ("D", "a", 5, 1, True)]
+    sched.prefill_cap = None
+    assert shape(step(sched, seqs)) == [("P", "b", 12, 18, True), ("D", "a", 6, 1, True)]
 
 
 def test_max_batch_holds_requests_in_the_queue():

@@ -330,7 +330,7 @@ def test_invalid_utf8_body_is_named(client, raw):
 @pytest.mark.parametrize("effort,rendered", [("minimal", "low"), ("low", "low"), ("medium", "high"),
                                              ("high", "high"), ("xhigh", "max"), ("max", "max"), ("none", None)])
 def test_reasoning_effort_takes_openais_values(effort, rendered):
-    from k3.serve.xtml import KimiK3Chat
+    from k3.chat.xtml import KimiK3Chat
 
     engine = FakeEngine(max_context=2048)
     engine.start()

@@ -26,9 +26,9 @@ from torch import nn
 from ..layers.depth.attn_res import DepthStream
 from ..layers.stats import Statistics, merge_max_logits
 from ..model.block import _Query
-from ..model.transformer import _checkpointed, _chunked_head_ce, _shifted_targets
+from ..model.mixer import Mixer
+from ..model.transformer import _checkpointed, chunked_head_ce_sum
 from ..ops.precision import compute_dtype
-from ..ops.varlen import same_document
 
 __all__ = ["StageModule", "sources_at", "split_layers", "layer_costs", "pack", "unpack", "StepFeed"]
 
@@ -199,19 +199,28 @@ class StageModule(nn.Module):
         ids, cu, labels, shares = placed.input_ids, placed.cu_seqlens, placed.labels, placed.shares
         q = _Query(self.output_attn_res_proj, self.output_attn_res_norm) if self.config.attn_res != "none" else None
         h = stream.output(q)
-        lm = _chunked_head_ce(self.lm_head, self.norm(h), _shifted_targets(labels, 1, cu), 4096) * shares[1]
+        lm = _head_ce(self.lm_head, self.norm(h), labels, 1, cu) * shares[1]
         mtp = torch.zeros((), dtype=lm.dtype, device=lm.device)
         if self.n_mtp and self.feed.mtp_weight:
             losses = []
             for k, (layer, e) in enumerate(zip(self.mtp, mtp_embs), start=1):
                 h = layer(h, e, cu, None, stats)
-                losses.append(_chunked_head_ce(self.lm_head, h, _shifted_targets(labels, 1 + k, cu), 4096))
+                losses.append(_head_ce(self.lm_head, h, labels, 1 + k, cu))
             mtp = torch.stack(losses).mean() * shares[2]
         out = torch.stack([lm, mtp]).reshape(1, 2)
         self.feed.parts[i] = out.detach()
         return out
 
 
+_WHOLE = Mixer()  # the model's own view of a sequence: targets and MTP inputs shifted within documents
+
+
 def _next_tokens(ids: torch.Tensor, k: int, cu) -> torch.Tensor:
     """Token t + k where it lies in t's document, else token t (as K3ForCausalLM.forward's MTP inputs)."""
-    return torch.where(same_document(ids.shape[1], k, cu, ids.device), torch.roll(ids, -k, dims=1), ids)
+    return _WHOLE.shifted(ids, k, cu, fill=None)
+
+
+def _head_ce(head, hidden: torch.Tensor, labels: torch.Tensor, shift: int, cu) -> torch.Tensor:
+    """Mean CE of head(hidden) against the labels ``shift`` ahead, by 4096-token chunks (as the model's loss)."""
+    total, count = chunked_head_ce_sum(head, hidden, _WHOLE.shifted(labels, shift, cu, fill=-100), 4096)
+    return total / count

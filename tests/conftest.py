@@ -29,6 +29,31 @@ def assert_close(name, ref, tri, ratio):
     assert err / base <= ratio, f"{name}: rms err {err:.3e}, rms {base:.3e}, ratio {err / base:.3e} > {ratio}"
 
 
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+def pytest_make_parametrize_id(config, val, argname):
+    """Readable parametrised ids, flash-linear-attention's style: each value named by its argument, so that
+    ``parametrize("B,T,H,K", [(2, 100, 3, 16)])`` reads ``B2-T100-H3-K16`` (explicit ``ids=`` still win). Booleans
+    read as the argument or ``no_`` it, dtypes as fp32 / bf16, strings as themselves, sequences joined by ``x``,
+    dicts as key=value (``default`` when empty)."""
+    if isinstance(val, bool):
+        return argname if val else f"no_{argname}"
+    if val is None:
+        return f"no_{argname}"
+    if isinstance(val, torch.dtype):
+        return _DTYPES.get(val, str(val).removeprefix("torch."))
+    if isinstance(val, (int, float)):
+        return f"{argname}{val:g}" if isinstance(val, float) else f"{argname}{val}"
+    if isinstance(val, str):
+        return val
+    if isinstance(val, (list, tuple, range)) and all(isinstance(v, (int, float)) for v in val):
+        return f"{argname}" + "x".join(f"{v:g}" for v in val)
+    if isinstance(val, dict):
+        return "-".join(f"{k}={v}" for k, v in val.items()) or "default"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

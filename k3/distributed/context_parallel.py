@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..model.mixer import Mixer
 from ..ops.varlen import document_ids, same_document
 from .process_group import collective_device
 from .kcp import kcp_chunk_kda, kcp_short_conv, local_cu_seqlens
@@ -80,8 +81,11 @@ def _rank_ranges(group, start: int, end: int) -> list[tuple[int, int]]:
     return ranges
 
 
-class ContextParallel:
+class ContextParallel(Mixer):
     """The CP token mixer of one forward, passed as ``mixer=`` to ``K3ForCausalLM.forward`` / ``K3Model.forward``.
+    ``K3ForCausalLM.forward`` then takes the GLOBAL row (input_ids and labels [B,T_global]) and this rank's share of
+    it: its tokens (``tokens``), their targets and MTP inputs from the global row (``shifted``), and its share of
+    the global mean loss (``mean``: the local CE sum over the group's target count).
 
     group: the CP process group (None = default). start, end: this rank's token range in the global sequence.
     cu_seqlens: GLOBAL document boundaries [N+1] of the packed row (B = 1), or None for unpacked batches.
@@ -114,8 +118,20 @@ class ContextParallel:
                      else torch.zeros(self.total, dtype=torch.long, device=cpu))
         self.positions = (torch.arange(self.total, device=cpu) - doc_start)[None, self.start:self.end]  # [1,T] (RoPE)
 
-    def attend(self, layer, x: torch.Tensor) -> torch.Tensor:
-        """The token mixer of ``layer`` (a DecoderLayer) on this rank's tokens x [B,T,D] -> [B,T,D]."""
+    def tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids[:, self.start:self.end]
+
+    def shifted(self, ids: torch.Tensor, shift: int, cu_seqlens=None, fill: int | None = -100) -> torch.Tensor:
+        """This rank's slice of ``Mixer.shifted`` over the global row ids [B,T_global] (its own cu_seqlens): the
+        targets of its last tokens are the next rank's first tokens, as in one process."""
+        return super().shifted(ids, shift, self.cu_seqlens, fill)[:, self.start:self.end]
+
+    def mean(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        return _share_of_mean(total, count, self.group)
+
+    def attend(self, layer, x: torch.Tensor, stats=None) -> torch.Tensor:
+        """The token mixer of ``layer`` (a DecoderLayer) on this rank's tokens x [B,T,D] -> [B,T,D]; ``stats``: where
+        an MLA layer's max logits go when asked for (``k3.layers.stats``)."""
         if x.shape[1] != self.end - self.start:
             raise ValueError(f"rank holds [{self.start}, {self.end}) = {self.end - self.start} tokens; "
                              f"the model got {x.shape[1]}")
@@ -123,7 +139,7 @@ class ContextParallel:
             raise ValueError(f"packed documents (cu_seqlens) need batch 1; got batch {x.shape[0]}")
         if layer.kind == "kda":
             return self._attend_kda(layer.self_attn, x)
-        return self._attend_mla(layer.self_attn, x)
+        return self._attend_mla(layer.self_attn, x, stats)
 
     def _conv(self, x, taps):
         return kcp_short_conv(x, taps, self.group, self.cu_local, self.continues, activation=False)
@@ -138,7 +154,7 @@ class ContextParallel:
                              lower_bound=attn.kernel_lower_bound)
         return attn.output(o, gate)
 
-    def _attend_mla(self, mla, x):
+    def _attend_mla(self, mla, x, stats=None):
         """This rank's queries over the gathered latents of keys [0, end), absorbed form, global mask."""
         B, T, _ = x.shape
         positions = self.positions.to(x.device).expand(B, T)
@@ -146,19 +162,18 @@ class ContextParallel:
         lat = gather_sequence(torch.cat([inp.c_kv, inp.k_pe], dim=-1), self.group, self.ranges)[:, : self.end]
         c_all, pe_all = lat.split([inp.c_kv.shape[-1], inp.k_pe.shape[-1]], dim=-1)  # [B,S,R], [B,S,Dr]
         mask = self.mask.to(x.device).expand(B, T, self.end)
-        if getattr(mla, "track_max_logit", False) and mla.training:
-            _record_max_logit(mla, inp, c_all, pe_all, mask)
+        if stats is not None and stats.max_logit is not None:
+            stats.add_max_logit(mla.layer_idx, _max_logit(mla, inp, c_all, pe_all, mask))
         return mla.output(mla.attend_latent(inp, c_all, pe_all, mask), inp.gate)
 
 
 @torch.no_grad()
-def _record_max_logit(mla, inp, c_all, pe_all, mask) -> None:
-    """QK-clip's statistic under CP: this rank's queries' max pre-softmax logit per head over the keys they see
+def _max_logit(mla, inp, c_all, pe_all, mask) -> torch.Tensor:
+    """QK-clip's statistic under CP: this rank's queries' max pre-softmax logit per head [H] over the keys they see
     (the training loop takes the MAX over ranks). Same scores as ``attend_latent``: [B,H,T,S]."""
     s = (torch.einsum("bthr,bsr->bhts", mla.absorb(inp.q_nope), c_all.float())
          + torch.einsum("bthp,bsp->bhts", inp.q_pe.float(), pe_all.float())) * mla.scale
-    m = s.masked_fill(~mask[:, None], float("-inf")).amax(dim=(0, 2, 3))
-    mla.max_logit = m if mla.max_logit is None else torch.maximum(mla.max_logit, m)
+    return s.masked_fill(~mask[:, None], float("-inf")).amax(dim=(0, 2, 3))
 
 
 def cp_shifted_targets(labels_global: torch.Tensor, cu_seqlens: torch.Tensor | None, start: int,
@@ -178,42 +193,22 @@ def cp_shifted_targets(labels_global: torch.Tensor, cu_seqlens: torch.Tensor | N
 
 
 def cp_model_loss(model, ids_global: torch.Tensor, cu_seqlens, start: int, end: int, group=None, mtp: bool = True,
-                  loss_chunk: int = 4096, labels_global: torch.Tensor | None = None):
+                  loss_chunk: int = 4096, labels_global: torch.Tensor | None = None, record: tuple[str, ...] = ()):
     """This rank's shares of the single-process losses of ``model`` on ``ids_global`` [B,T_global] split along
-    time: -> (lm share, MTP share or None), 0-d fp32 tensors to backpropagate. Each share is this rank's targets'
-    CE sum over the group's target count, so the group's shares SUM to the single-process mean (the MTP share: the
-    mean over the MTP layers of theirs). ``mtp``: run the MTP layers (when the model has them); every rank of the
-    group must pass the same (their attention is collective). ``labels_global`` (default: the ids): the targets,
-    -100 where a token is none (fine-tuning).
+    time: -> the model's ``CausalLMOutput`` with "lm_loss" (lm share) and "mtp_loss" (MTP share, absent without MTP),
+    0-d fp32 tensors to backpropagate, and the statistics of ``record``. Each share is this rank's targets' CE sum
+    over the group's target count, so the group's shares SUM to the single-process mean (the MTP share: the mean
+    over the MTP layers of theirs). ``mtp``: run the MTP layers (when the model has them); every rank of the group
+    must pass the same (their attention is collective). ``labels_global`` (default: the ids): the targets, -100
+    where a token is none (fine-tuning).
 
-    The head's CE runs ``loss_chunk`` tokens at a time, its gradients computed in the forward (``k3.ops.linear_ce``):
-    no [T, vocab] logits are held (what makes long CP segments affordable). It calls the trunk, the norm, the head
-    and the MTP layers one by one: under FSDP (``k3.distributed.plan``) it runs as a registered forward method of
-    the root, so that the root's own weights are gathered around these calls."""
-    from ..model.transformer import chunked_head_ce_sum
-
+    It is the model's own forward with this rank's ``ContextParallel`` view as its mixer (so the root's FSDP hooks
+    run as around any forward); the head's CE runs ``loss_chunk`` tokens at a time (``return_logits=False``): no
+    [T, vocab] logits are held (what makes long CP segments affordable)."""
     view = ContextParallel(group, start, end, cu_seqlens)
-    ids = ids_global[:, start:end]
-
-    def share(hidden, shift):  # this rank's share of the global mean CE of head(hidden), shift tokens ahead
-        labels = ids_global if labels_global is None else labels_global
-        total, count = chunked_head_ce_sum(model.lm_head, hidden,
-                                           cp_shifted_targets(labels, cu_seqlens, start, end, shift), loss_chunk)
-        return _share_of_mean(total, count, group)
-
-    h = model.model(ids, mixer=view)
-    lm = share(model.model.norm(h), 1)
-    if not (len(model.mtp) and mtp):
-        return lm, None
-    T = ids_global.shape[1]
-    losses = []
-    for i, layer in enumerate(model.mtp):
-        k = i + 1  # the same inputs and targets as K3ForCausalLM.forward, taken from the global row
-        keep = same_document(T, k, cu_seqlens, ids_global.device)
-        nxt = torch.where(keep, torch.roll(ids_global, -k, dims=1), ids_global)[:, start:end]
-        h = layer(h, model.model.embed_tokens(nxt), mixer=view)
-        losses.append(share(h, 1 + k))
-    return lm, torch.stack(losses).mean()
+    labels = ids_global if labels_global is None else labels_global
+    return model(ids_global, labels=labels, mtp_weight=1.0 if mtp else 0.0, mixer=view, return_logits=False,
+                 loss_chunk=loss_chunk, record=record)
 
 
 def cp_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

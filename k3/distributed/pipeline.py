@@ -24,10 +24,11 @@ import torch
 from torch import nn
 
 from ..layers.depth.attn_res import DepthStream
+from ..layers.stats import Statistics, merge_max_logits
 from ..model.block import _Query
-from ..model.transformer import _checkpointed, _chunked_head_ce, _shifted_targets
+from ..model.mixer import Mixer
+from ..model.transformer import _checkpointed, chunked_head_ce_sum
 from ..ops.precision import compute_dtype
-from ..ops.varlen import same_document
 
 __all__ = ["StageModule", "sources_at", "split_layers", "layer_costs", "pack", "unpack", "StepFeed"]
 
@@ -137,6 +138,7 @@ class StepFeed:
 
     def __init__(self):
         self.batches, self.mtp_weight, self.parts, self.observe = [], 0.0, {}, None
+        self.record, self.max_logit = (), None  # the statistics to record (k3.layers.stats); the step's max logits
         self.saved, self.peak = None, 0  # the step's SavedStats (when measured), the most live at a forward's end
         self.loss_scale = 1.0  # C x share, the plan's weighting (k3.distributed.plan), times 1 here (no CP)
 
@@ -175,37 +177,50 @@ class StageModule(nn.Module):
         else:
             stream, mtp_embs = unpack(x, c, self.lo, self.n_mtp)
         checkpointed = self.gradient_checkpointing() and self.training
+        stats = Statistics(self.feed.record) if self.feed.record else None
         for layer in self.layers:
             if checkpointed:
-                _checkpointed(layer, stream, cu)
+                _checkpointed(layer, stream, cu, stats)
             else:
-                layer(stream, cu)
-        out = pack(stream, mtp_embs) if not self.last else self._losses(stream, mtp_embs, placed, int(mb.reshape(-1)[0]))
-        if self.feed.observe is not None and any(getattr(m, "last_routing", None) is not None for m in self.modules()):
-            self.feed.observe()  # Quantile Balancing counts this micro-batch's routing in this stage's MoE layers (MTP's too)
+                layer(stream, cu, None, stats)
+        out = pack(stream, mtp_embs) if not self.last else self._losses(stream, mtp_embs, placed,
+                                                                        int(mb.reshape(-1)[0]), stats)
+        if stats is not None:
+            if self.feed.observe is not None and stats.routing:  # Quantile Balancing counts this micro-batch's
+                self.feed.observe(stats.routing)  # routing in this stage's MoE layers (MTP's too)
+            self.feed.max_logit = merge_max_logits(self.feed.max_logit, stats.max_logit)
         if self.feed.saved is not None:
             self.feed.peak = max(self.feed.peak, self.feed.saved.live_bytes())
         return out
 
-    def _losses(self, stream, mtp_embs, placed, i: int) -> torch.Tensor:
+    def _losses(self, stream, mtp_embs, placed, i: int, stats=None) -> torch.Tensor:
         """What ``K3ForCausalLM.forward(..., return_logits=False)`` computes after the trunk (mirrored here, checked
         equal to one process by tests/distributed/test_pipeline.py), weighted by the plan's shares."""
         ids, cu, labels, shares = placed.input_ids, placed.cu_seqlens, placed.labels, placed.shares
         q = _Query(self.output_attn_res_proj, self.output_attn_res_norm) if self.config.attn_res != "none" else None
         h = stream.output(q)
-        lm = _chunked_head_ce(self.lm_head, self.norm(h), _shifted_targets(labels, 1, cu), 4096) * shares[1]
+        lm = _head_ce(self.lm_head, self.norm(h), labels, 1, cu) * shares[1]
         mtp = torch.zeros((), dtype=lm.dtype, device=lm.device)
         if self.n_mtp and self.feed.mtp_weight:
             losses = []
             for k, (layer, e) in enumerate(zip(self.mtp, mtp_embs), start=1):
-                h = layer(h, e, cu)
-                losses.append(_chunked_head_ce(self.lm_head, h, _shifted_targets(labels, 1 + k, cu), 4096))
+                h = layer(h, e, cu, None, stats)
+                losses.append(_head_ce(self.lm_head, h, labels, 1 + k, cu))
             mtp = torch.stack(losses).mean() * shares[2]
         out = torch.stack([lm, mtp]).reshape(1, 2)
         self.feed.parts[i] = out.detach()
         return out
 
 
+_WHOLE = Mixer()  # the model's own view of a sequence: targets and MTP inputs shifted within documents
+
+
 def _next_tokens(ids: torch.Tensor, k: int, cu) -> torch.Tensor:
     """Token t + k where it lies in t's document, else token t (as K3ForCausalLM.forward's MTP inputs)."""
-    return torch.where(same_document(ids.shape[1], k, cu, ids.device), torch.roll(ids, -k, dims=1), ids)
+    return _WHOLE.shifted(ids, k, cu, fill=None)
+
+
+def _head_ce(head, hidden: torch.Tensor, labels: torch.Tensor, shift: int, cu) -> torch.Tensor:
+    """Mean CE of head(hidden) against the labels ``shift`` ahead, by 4096-token chunks (as the model's loss)."""
+    total, count = chunked_head_ce_sum(head, hidden, _WHOLE.shifted(labels, shift, cu, fill=-100), 4096)
+    return total / count

@@ -184,16 +184,19 @@ class PipelinePlan:
     def place(self, batch: dict):
         return self.inner.place(batch)
 
-    def pipeline_step(self, model, micro_batches, mtp_weight: float, observe=None, saved=None):
-        """Every micro-batch forward and backward through the schedule -> (lm, mtp, tokens, peaks): the step's mean
-        losses of the global batch (detached 0-d tensors, the same on every rank; mtp None without MTP), its tokens,
-        and with ``saved`` (the step's ``k3.train.memory.SavedStats``) each pipeline rank's peak of saved
-        activation bytes (read after every stage forward; weights excluded), else None."""
+    def pipeline_step(self, model, micro_batches, mtp_weight: float, record=(), observe=None, saved=None):
+        """Every micro-batch forward and backward through the schedule -> (lm, mtp, tokens, peaks, max_logit): the
+        step's mean losses of the global batch (detached 0-d tensors, the same on every rank; mtp None without MTP),
+        its tokens, with ``saved`` (the step's ``k3.train.memory.SavedStats``) each pipeline rank's peak of saved
+        activation bytes (read after every stage forward; weights excluded), else None, and with "max_logit" in
+        ``record`` this stage's MLA layers' per-head maxima over the step ({layer: [H]}, k3.layers.stats).
+        ``observe``: called with each stage forward's routing (the balancer's observe) when ``record`` has
+        "routing"."""
         placed = [self.inner.place(b) for b in micro_batches]
         M = len(placed)
         f = self.feed
         f.batches, f.mtp_weight, f.parts, f.observe = placed, mtp_weight, {}, observe
-        f.peak, f.saved = 0, saved
+        f.peak, f.saved, f.record, f.max_logit = 0, saved, tuple(record), None
         mb = torch.arange(M, device=self.device).reshape(M, 1)
         args = (torch.cat([p.input_ids for p in placed]),) if self.first_here else ()
         target = mb if self.last_here else None  # (unused by loss_fn: the last stage's output is the loss)
@@ -204,13 +207,14 @@ class PipelinePlan:
         parts = self.inner.mean(parts) if self.inner.world > 1 else parts
         parts = parts.to(collective_device(self.pp_group))
         dist.all_reduce(parts, group=self.pp_group)  # only the last stage's are non-zero
-        f.batches, f.parts, f.observe, f.saved = [], {}, None, None
+        max_logit = f.max_logit
+        f.batches, f.parts, f.observe, f.saved, f.record, f.max_logit = [], {}, None, None, (), None
         mtp = parts[1].float() if model.config.num_nextn_predict_layers and mtp_weight else None
         peaks = None
         if saved is not None:
             peaks = [None] * self.pipe.pp
             dist.all_gather_object(peaks, f.peak, group=self.pp_group)
-        return parts[0].float(), mtp, placed[0].tokens * M, peaks
+        return parts[0].float(), mtp, placed[0].tokens * M, peaks, max_logit
 
     def loss(self, model, batch: dict, mtp_weight: float) -> StepLoss:
         raise RuntimeError("under --pp the loss of a micro-batch is the pipeline's (pipeline_step): no stage holds "
@@ -252,8 +256,8 @@ class PipelinePlan:
         dist.all_reduce(t)
         return (t / self.world).to(x.dtype)
 
-    def sync_max_logits(self, model) -> None:
-        self.inner.sync_max_logits(model)
+    def sync_max_logits(self, max_logit: dict) -> None:
+        self.inner.sync_max_logits(max_logit)  # over this stage's data-parallel ranks: the same layers there
 
     # checkpoints
 

@@ -32,7 +32,6 @@ cp segments tile each slice: every token counted once); QK-clip takes the MAX ov
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +45,6 @@ from .process_group import collective_device, init_from_env, max_logits_across_r
 
 __all__ = ["ParallelDims", "ParallelPlan", "PlacedBatch", "rank_slice"]
 
-_CP_LOSS = "_k3_cp_model_loss"  # cp_model_loss bound to the model, registered as an FSDP forward method
 
 
 @dataclass(frozen=True)
@@ -119,16 +117,6 @@ def place_tokens(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
     return ids.to(device)
 
 
-def _register_cp_loss(model) -> None:
-    """cp_model_loss calls the trunk, the norm, the head (and the embedding for MTP) one by one instead of the root
-    forward; run it as a forward method of the (fully_shard-ed) root, so that FSDP gathers the root's own weights
-    first (and reduce-scatters their gradients in backward) as it does around model(...)."""
-    from torch.distributed.fsdp import register_fsdp_forward_method
-
-    setattr(model, _CP_LOSS, functools.partial(cp_model_loss, model))
-    register_fsdp_forward_method(model, _CP_LOSS)
-
-
 class ParallelPlan:
     """The training loop's ``TrainingPlan`` for any ("dp", "ep", "cp") layout (see the module docstring).
 
@@ -171,8 +159,6 @@ class ParallelPlan:
         for layer in list(model.model.layers) + list(model.mtp):
             fully_shard(layer, mesh=self.flat, **kwargs)
         fully_shard(model, mesh=self.flat, **kwargs)
-        if self.dims.cp > 1:
-            _register_cp_loss(model)
 
     def _shard_experts(self, model) -> set:
         from ..layers.width.latent_moe import LatentMoE
@@ -196,29 +182,30 @@ class ParallelPlan:
         labels = ids if labels is None else place_tokens(labels, self.device)  # fine-tuning: -100 = no target
         return PlacedBatch(ids, cu, labels, media_inputs(batch, self.device), shares, batch["input_ids"].numel())
 
-    def loss(self, model, batch: dict, mtp_weight: float) -> StepLoss:
-        return self.placed_loss(model, self.place(batch), mtp_weight)
+    def loss(self, model, batch: dict, mtp_weight: float, record: tuple[str, ...] = ()) -> StepLoss:
+        return self.placed_loss(model, self.place(batch), mtp_weight, record)
 
-    def placed_loss(self, model, placed: PlacedBatch, mtp_weight: float) -> StepLoss:
+    def placed_loss(self, model, placed: PlacedBatch, mtp_weight: float, record: tuple[str, ...] = ()) -> StepLoss:
         """``loss`` of a batch already ``place``d: only device work (what a CUDA graph of the step records)."""
         ids, cu, labels, shares = placed.input_ids, placed.cu_seqlens, placed.labels, placed.shares
         C = self.dims.cp
         if C == 1:
             out = model(ids, cu_seqlens=cu, labels=labels, mtp_weight=mtp_weight, return_logits=False,
-                        **placed.media)
-            lm, mtp = out["lm_loss"], out.get("mtp_loss")
+                        record=record, **placed.media)
         else:
             T = ids.shape[1]
             n = -(-T // C)
             start, end = min(self.cp_rank * n, T), min((self.cp_rank + 1) * n, T)
-            cp_loss = getattr(model, _CP_LOSS, None) or functools.partial(cp_model_loss, model)  # FSDP: registered
-            lm, mtp = cp_loss(ids, cu, start, end, self.cp_group, mtp=bool(mtp_weight), labels_global=labels)
+            out = cp_model_loss(model, ids, cu, start, end, self.cp_group, mtp=bool(mtp_weight), labels_global=labels,
+                                record=record)
+        lm, mtp = out["lm_loss"], out.get("mtp_loss")
         lm = lm * (C * shares[1])  # exactly lm in one process (C = 1, shares 1.0)
+        stats = {"max_logit": out.get("max_logit"), "routing": out.get("routing")}
         if mtp is None:
-            return StepLoss(lm, self.mean(lm.detach()), None, placed.tokens)
+            return StepLoss(lm, self.mean(lm.detach()), None, placed.tokens, **stats)
         mtp = mtp * (C * shares[2])
         logged = self.mean(torch.stack([lm.detach(), mtp.detach()]))
-        return StepLoss(lm + mtp_weight * mtp, logged[0], logged[1], placed.tokens)
+        return StepLoss(lm + mtp_weight * mtp, logged[0], logged[1], placed.tokens, **stats)
 
     def mean(self, x: torch.Tensor) -> torch.Tensor:
         if self.world == 1:
@@ -233,9 +220,9 @@ class ParallelPlan:
             if p.grad is not None:
                 p.grad.div_(self.world)
 
-    def sync_max_logits(self, model) -> None:
+    def sync_max_logits(self, max_logit: dict) -> None:
         if self.world > 1:
-            max_logits_across_ranks(model, self.group)
+            max_logits_across_ranks(max_logit, self.group)
 
     def full_state(self, model) -> dict:
         """Full tensors (on CPU, on rank 0; empty elsewhere) of every weight and buffer, experts in their true

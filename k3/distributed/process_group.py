@@ -56,13 +56,11 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def max_logits_across_ranks(model: torch.nn.Module, group=None) -> None:
+def max_logits_across_ranks(max_logit: dict, group=None) -> None:
     """QK-clip must compare the GLOBAL max logit of each head with tau: all-reduce (MAX) what each rank of ``group``
-    (default: the world) saw."""
+    (default: the world) saw, in place ({layer: [H] fp32}, the same layers on every rank of the group, in one
+    order)."""
     if not is_distributed():
         return
-    from ..layers.sequence.mla import GatedMLA
-
-    for m in model.modules():
-        if isinstance(m, GatedMLA) and getattr(m, "max_logit", None) is not None:
-            dist.all_reduce(m.max_logit, op=dist.ReduceOp.MAX, group=group)
+    for layer in sorted(max_logit):
+        dist.all_reduce(max_logit[layer], op=dist.ReduceOp.MAX, group=group)

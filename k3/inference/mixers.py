@@ -1,5 +1,6 @@
 """The token mixers of an engine step (SPEC §7): where each KDA and MLA layer's state comes from, handed to the
-model as ``K3ForCausalLM.forward(..., mixer=...)``. Both call back into the layers' own pieces.
+model as ``K3ForCausalLM.forward(..., mixer=...)``. Both call back into the layers' own pieces, and both are
+``InferenceMixer``s: the FFN and depth fast paths, and the fused projections, are ``k3.inference.fast``'s.
 
 Legend: N sequences in a prefill batch, T packed new tokens, B decode rows, D hidden, H heads, K KDA head dim,
 R kv_lora_rank, Dr rope dim, Tp tokens per page.
@@ -27,6 +28,7 @@ from torch.nn.attention.bias import causal_lower_right
 from ..ops import kda as kda_ops
 from ..ops.kda.decode import kda_decode
 from ..ops.mla_decode import mla_decode_append
+from .fast import InferenceMixer, fused_parts, kda_output
 from .pool import PagePool
 
 _POOLS: dict[int, PagePool] = {}
@@ -79,7 +81,7 @@ def _(q_lat, q_pe, latent, page_table, positions, pool_key, layer, scale):
     return q_lat.new_empty(q_lat.shape, dtype=torch.float32)
 
 
-class DecodeMixer:
+class DecodeMixer(InferenceMixer):
     """One decode token per row; the step's device tables: ``positions`` [B] (tokens cached before this one),
     ``page_table`` [B,maxP] int32 (MLA pages), ``kda_index`` [B,kda_pages] long (KDA pages)."""
 
@@ -94,23 +96,24 @@ class DecodeMixer:
         return self._mla(layer.self_attn, self.mla_slot[layer.layer_idx], x)
 
     def _kda(self, attn, slot: int, x: torch.Tensor) -> torch.Tensor:
-        q, k, v, fa, b, gate = attn.projections(x, project_f=False)  # [B,1,HK] x3, [B,1,K], [B,1,H], [B,1,HK]
+        q, k, v, fa, b, gate = attn.projections(x, fused_parts(attn, x), project_f=False)  # [B,1,HK] x3, [B,1,K],
+        # [B,1,H], [B,1,HK]
         o = torch.ops.k3.kda_decode_paged(
             q[:, 0], k[:, 0], v[:, 0], fa[:, 0], attn.f_b_proj.weight, b[:, 0], attn.q_conv1d.weight,
             attn.k_conv1d.weight, attn.v_conv1d.weight, attn.A_log, attn.dt_bias,
             self.kda_index[:, slot // self.per_page], self.pool_key, slot, attn.gate_kind, float(attn.lower_bound),
             attn.backend)
-        return attn.output(o[:, None], gate)
+        return kda_output(attn, o[:, None], gate)
 
     def _mla(self, mla, slot: int, x: torch.Tensor) -> torch.Tensor:
-        inp = mla.project(x, self.positions[:, None])
+        inp = mla.project(x, self.positions[:, None], fused_parts(mla, x))
         o_lat = torch.ops.k3.mla_decode_paged(mla.absorb(inp.q_nope)[:, 0], inp.q_pe[:, 0],
                                               torch.cat([inp.c_kv, inp.k_pe], -1)[:, 0], self.page_table,
                                               self.positions, self.pool_key, slot, mla.scale)
         return mla.output(mla.unabsorb(o_lat[:, None]), inp.gate)
 
 
-class PrefillMixer:
+class PrefillMixer(InferenceMixer):
     """N sequences' new tokens packed in one row. ``cu_seqlens`` [N+1] over the packed row; ``starts`` the tokens
     each sequence has cached already (host ints); ``slots`` [T] the flat MLA slot (page * Tp + offset) of each new
     token; ``context_slots`` per sequence, [start + length] the slots of its whole context; ``kda_index``
@@ -136,7 +139,7 @@ class PrefillMixer:
         idx = self.kda_index[:, slot // self.pool.layout.records_per_page]
         h0, c0 = state[idx], conv[idx]  # [N,H,K,K] fp32, [N,3,HK,W-1]
         cu = self.cu_seqlens
-        q, k, v, f, b, gate = attn.projections(x)
+        q, k, v, f, b, gate = attn.projections(x, fused_parts(attn, x))
         q, cq = attn.q_conv1d(q, c0[:, 0], cu, True, attn.backend)
         k, ck = attn.k_conv1d(k, c0[:, 1], cu, True, attn.backend)
         v, cv = attn.v_conv1d(v, c0[:, 2], cu, True, attn.backend)
@@ -145,12 +148,12 @@ class PrefillMixer:
                                   lower_bound=attn.kernel_lower_bound, backend=attn.backend)
         state.index_copy_(0, idx, hT.float())
         conv.index_copy_(0, idx, torch.stack([cq, ck, cv], dim=1).to(conv.dtype))
-        return attn.output(o, gate)
+        return kda_output(attn, o, gate)
 
     def _mla(self, mla, slot: int, x: torch.Tensor) -> torch.Tensor:
         cache = self.pool.mla_view()[:, :, slot]  # [P,Tp,R+Dr], strided: indexed by (page, offset), in place
         Tp = cache.shape[1]
-        inp = mla.project(x, self.positions)  # latents [1,T,R], [1,T,Dr]
+        inp = mla.project(x, self.positions, fused_parts(mla, x))  # latents [1,T,R], [1,T,Dr]
         cache[self.slots // Tp, self.slots % Tp] = torch.cat([inp.c_kv, inp.k_pe], dim=-1)[0].to(cache.dtype)
         q = torch.cat([inp.q_nope, inp.q_pe], dim=-1)[0]  # [T,H,Dn+Dr]
         H, R = mla.num_heads, mla.rank

@@ -6,8 +6,8 @@ names (checkpoints, optimisers and training see no difference), and ``F.linear(x
 ``cat([l(x) for l in linears], -1)``. ``fuse_linears(..., by_input=True)`` does the same for Linears whose
 outputs are summed, by columns: ``F.linear(cat(xs, -1), fused)`` equals ``sum(l(x) for l, x in zip(linears,
 xs))`` (the views are then column slices, not contiguous).
-Layers use the fused tensor only when no gradient is needed (``use_fused``); with gradients (training) they call
-``stacked_linear``: the same one matmul over the Linears' weights concatenated for that call, so x's gradient is
+Only inference reads the fused tensors (``k3.inference.fast``: no gradient flows through them); a layer's own forward
+calls ``stacked_linear``: the same one matmul over the Linears' weights concatenated for that call, so x's gradient is
 one GEMM too.
 """
 
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["fuse_linears", "use_fused", "stacked_linear"]
+__all__ = ["fuse_linears", "stacked_linear"]
 
 
 @torch.no_grad()
@@ -36,10 +36,6 @@ def fuse_linears(linears: list[nn.Linear], by_input: bool = False) -> tuple[torc
         sizes.append(n)
         off += n
     return fused, sizes
-
-
-def use_fused(fused: torch.Tensor | None) -> bool:
-    return fused is not None and not torch.is_grad_enabled()
 
 
 def stacked_linear(x: torch.Tensor, linears: list[nn.Linear],

@@ -33,10 +33,11 @@ class MTPLayer(nn.Module):
                                   moe=config.num_experts > 0 and config.first_k_dense_replace < config.num_hidden_layers)
         self.shared_head = SharedHead(D, eps)
 
-    def forward(self, h: torch.Tensor, next_emb: torch.Tensor, cu_seqlens=None, mixer=None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, next_emb: torch.Tensor, cu_seqlens=None, mixer=None,
+                stats=None) -> torch.Tensor:
         """h [B,T,D] the trunk's pre-norm output at t; next_emb [B,T,D] the embedding of token t+1.
-        ``mixer``: as for the trunk (e.g. context parallelism)."""
+        ``mixer``, ``stats``: as for the trunk (e.g. context parallelism; k3.layers.stats)."""
         x = self.eh_proj(torch.cat([self.enorm(next_emb), self.hnorm(h)], dim=-1))
         stream = DepthStream(x, "none", 1, 0.0)
-        self.block(stream, cu_seqlens, mixer)
+        self.block(stream, cu_seqlens, mixer, stats)
         return self.shared_head.norm(stream.partial)

@@ -13,19 +13,22 @@ from torch.utils import _pytree
 from ..config import K3Config
 from ..layers.depth.attn_res import DepthStream, PseudoQuery
 from ..layers.norm import RMSNorm
+from ..layers.sequence.kda import KimiDeltaAttention
+from ..layers.stats import Statistics
 from ..ops.linear_ce import linear_ce_sum
 from ..ops.precision import compute_dtype
-from ..ops.varlen import document_ids, same_document
 from .block import DecoderLayer, _Query
 from .init import init_weights
+from .mixer import Mixer
 from .mtp import MTPLayer
 
 
 class CausalLMOutput(dict):
     """What ``K3ForCausalLM`` returns: a dict (``out["logits"]``) whose keys are also attributes (``out.logits``),
-    as transformers' ``ModelOutput``. A field that was not computed is absent as a key and None as an attribute."""
+    as transformers' ``ModelOutput``. A field that was not computed is absent as a key and None as an attribute.
+    ``max_logit`` and ``routing``: the forward's statistics when asked for (``record``; ``k3.layers.stats``)."""
 
-    FIELDS = ("logits", "loss", "lm_loss", "mtp_loss")
+    FIELDS = ("logits", "loss", "lm_loss", "mtp_loss", "max_logit", "routing")
 
     def __getattr__(self, name: str):
         if name in self:
@@ -55,25 +58,25 @@ class K3Model(nn.Module):
         self.gradient_checkpointing = False
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None, mixer=None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                inputs_embeds: torch.Tensor | None = None, stats: Statistics | None = None) -> torch.Tensor:
         """input_ids [B,T] -> pre-final-norm hidden [B,T,D] (the final AttnRes mix). ``mixer``: where the token
         mixers' state and kernels come from (``DecoderLayer.forward``): k3.inference's paged prefill / decode,
         k3.distributed's context parallelism; None for a plain forward. ``inputs_embeds`` [B,T,D]: the input
-        embeddings to use instead of looking input_ids up (image features spliced in at placeholders, k3.vision)."""
+        embeddings to use instead of looking input_ids up (image features spliced in at placeholders, k3.vision).
+        ``stats``: where the layers' statistics go (``k3.layers.stats``)."""
         c = self.config
         x = compute_dtype(self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds)
-        stream = DepthStream(x, c.attn_res,
-                             DepthStream.sublayer_block_size(c.attn_res, c.attn_res_block_size), c.rms_norm_eps)
+        stream = DepthStream.of(x, c) if mixer is None else mixer.depth_stream(x, c)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training and mixer is None:
-                _checkpointed(layer, stream, cu_seqlens)
+                _checkpointed(layer, stream, cu_seqlens, stats)
             else:
-                layer(stream, cu_seqlens, mixer)
+                layer(stream, cu_seqlens, mixer, stats)
         q = _Query(self.output_attn_res_proj, self.output_attn_res_norm) if c.attn_res != "none" else None
         return stream.output(q)
 
 
-def _checkpointed(layer: DecoderLayer, stream: DepthStream, cu_seqlens) -> None:
+def _checkpointed(layer: DecoderLayer, stream: DepthStream, cu_seqlens, stats) -> None:
     """Recompute one layer in backward: the stream's tensors go in, the new ones come out."""
     from torch.utils.checkpoint import checkpoint
 
@@ -87,7 +90,7 @@ def _checkpointed(layer: DecoderLayer, stream: DepthStream, cu_seqlens) -> None:
         s.mode, s.block_size, s.eps = mode, block_size, eps
         s.blocks, s.partial, s.sublayer = list(tensors[:n_blocks]), tensors[n_blocks] if had_partial else None, sublayer
         s.pending, s.sinks = None, {}  # (recorded by autograd: every write is added at once, every gradient summed)
-        layer(s, cu_seqlens)
+        layer(s, cu_seqlens, None, stats)  # (the recomputation records the same statistics again)
         return (*s.blocks[n_blocks:], s.partial)
 
     blocks = list(stream.blocks)
@@ -124,13 +127,13 @@ class K3ForCausalLM(nn.Module):
         if backend not in BACKENDS:
             raise ValueError(f"unknown KDA backend {backend!r}; expected one of {BACKENDS}")
         for m in self.modules():
-            if hasattr(m, "backend") and hasattr(m, "A_log"):
+            if isinstance(m, KimiDeltaAttention):
                 m.backend = backend
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, mtp_weight: float = 0.3, mixer=None,
+                labels: torch.Tensor | None = None, mtp_weight: float = 0.3, mixer: Mixer | None = None,
                 return_logits: bool = True, loss_chunk: int = 4096,
-                inputs_embeds: torch.Tensor | None = None) -> CausalLMOutput:
+                inputs_embeds: torch.Tensor | None = None, record: tuple[str, ...] = ()) -> CausalLMOutput:
         """Returns a ``CausalLMOutput`` (``out["logits"]`` or ``out.logits`` [B,T,V]) and, with ``labels`` (same
         layout as input_ids, shifted inside; -100 = ignore), "loss" = next-token CE (+ mtp_weight * "mtp_loss" when
         the config has MTP layers) and "lm_loss".
@@ -141,8 +144,12 @@ class K3ForCausalLM(nn.Module):
         (nor their fp32 copy and gradient) are ever held whole; the loss and every gradient equal the unchunked
         ones up to float summation order.
 
+        ``mixer`` (``k3.model.mixer``): the layers' hook, and this forward's view of the sequence: which tokens of
+        input_ids and labels it runs (``tokens``), their targets and MTP inputs (``shifted``) and the loss's mean
+        (``mean``): context parallelism gives every rank the whole row and takes its share.
         ``inputs_embeds`` [B,T,D]: the trunk's input instead of embedding input_ids (which still name the tokens
-        for MTP's next-token inputs)."""
+        for MTP's next-token inputs). ``record``: statistics to return (``k3.layers.stats.STATISTICS``: "max_logit"
+        for QK-clip, "routing" for Quantile Balancing)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B,T]; got shape {tuple(input_ids.shape)}")
         if cu_seqlens is not None and input_ids.shape[0] != 1:
@@ -151,16 +158,23 @@ class K3ForCausalLM(nn.Module):
             raise ValueError("return_logits=False returns only losses: pass labels")
         if loss_chunk < 1:
             raise ValueError(f"loss_chunk must be >= 1; got {loss_chunk}")
-        h = self.model(input_ids, cu_seqlens, mixer, inputs_embeds)
+        seq = mixer if mixer is not None else _OWN
+        stats = Statistics(record) if record else None
+        h = self.model(seq.tokens(input_ids), cu_seqlens, mixer, inputs_embeds, stats)
         normed = self.model.norm(h)
         out = CausalLMOutput(logits=self.lm_head(normed)) if return_logits else CausalLMOutput()
+        if stats is not None:
+            out.update((k, v) for k, v in vars(stats).items() if v is not None)
         if labels is None:
             return out
 
-        def head_ce(hidden, shift, logits=None):  # CE of head(hidden) `shift` tokens ahead: whole, or chunk by chunk
+        def head_ce(hidden, shift, logits=None):  # mean CE of head(hidden) `shift` tokens ahead: whole or by chunks
+            tgt = seq.shifted(labels, shift, cu_seqlens, fill=-100)
             if return_logits:
-                return _shifted_ce(self.lm_head(hidden) if logits is None else logits, labels, shift, cu_seqlens)
-            return _chunked_head_ce(self.lm_head, hidden, _shifted_targets(labels, shift, cu_seqlens), loss_chunk)
+                total, count = _ce_sum(self.lm_head(hidden) if logits is None else logits, tgt)
+            else:
+                total, count = chunked_head_ce_sum(self.lm_head, hidden, tgt, loss_chunk)
+            return seq.mean(total, count)  # NaN when nothing counts, as F.cross_entropy's mean
 
         loss = head_ce(normed, 1, out.get("logits"))
         out["lm_loss"] = loss
@@ -170,9 +184,8 @@ class K3ForCausalLM(nn.Module):
                 k = i + 1  # layer i predicts token t + 1 + k from h_t and token t + k
                 # token t + k, where it lies in t's document; elsewhere (its loss is masked anyway) the token itself,
                 # so nothing depends on what follows a document (batches split at document boundaries agree)
-                nxt = torch.where(same_document(input_ids.shape[1], k, cu_seqlens, input_ids.device),
-                                  torch.roll(input_ids, -k, dims=1), input_ids)
-                h = layer(h, self.model.embed_tokens(nxt), cu_seqlens)
+                nxt = seq.shifted(input_ids, k, cu_seqlens, fill=None)
+                h = layer(h, self.model.embed_tokens(nxt), cu_seqlens, mixer, stats)
                 mtp_losses.append(head_ce(h, 1 + k))
             out["mtp_loss"] = torch.stack(mtp_losses).mean()
             loss = loss + mtp_weight * out["mtp_loss"]
@@ -180,24 +193,14 @@ class K3ForCausalLM(nn.Module):
         return out
 
 
-def _shifted_targets(labels, shift: int, cu_seqlens) -> torch.Tensor:
-    """[B,T] targets of every position t: labels at t + shift, or -100 past the end or across a document boundary."""
-    B, T = labels.shape
-    tgt = torch.full_like(labels, -100)
-    tgt[:, : T - shift] = labels[:, shift:]
-    if cu_seqlens is not None:
-        doc = document_ids(cu_seqlens, T, labels.device)
-        cross = torch.ones(T, dtype=torch.bool, device=labels.device)
-        cross[: T - shift] = doc[shift:] != doc[: T - shift]
-        tgt.masked_fill_(cross, -100)  # not tgt[:, cross]: boolean-mask indexing waits for the device
-    return tgt
+_OWN = Mixer()  # no mixer: the forward's own view of the sequence (all of it) and the layers' own sub-layers
 
 
-def _shifted_ce(logits, labels, shift: int, cu_seqlens) -> torch.Tensor:
-    """Cross-entropy of logits at t against labels at t + shift, never across a document boundary."""
+def _ce_sum(logits, tgt) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed CE fp32, number of counted targets) of logits [B,T,V] against tgt [B,T] (-100 ignored)."""
     V = logits.shape[-1]
-    tgt = _shifted_targets(labels, shift, cu_seqlens)
-    return F.cross_entropy(logits.float().reshape(-1, V), tgt.reshape(-1), ignore_index=-100)
+    total = F.cross_entropy(logits.float().reshape(-1, V), tgt.reshape(-1), ignore_index=-100, reduction="sum")
+    return total, (tgt != -100).sum()
 
 
 def chunked_head_ce_sum(head: nn.Linear, hidden: torch.Tensor, tgt: torch.Tensor,
@@ -209,9 +212,3 @@ def chunked_head_ce_sum(head: nn.Linear, hidden: torch.Tensor, tgt: torch.Tensor
         raise ValueError("the chunked LM loss needs a head without bias (K3's lm_head has none)")
     total = linear_ce_sum(hidden.reshape(-1, hidden.shape[-1]), head.weight, tgt.reshape(-1), chunk)
     return total, (tgt != -100).sum()
-
-
-def _chunked_head_ce(head: nn.Module, hidden: torch.Tensor, tgt: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Mean CE of head(hidden) against tgt, chunk by chunk (``chunked_head_ce_sum``)."""
-    total, count = chunked_head_ce_sum(head, hidden, tgt, chunk)
-    return total / count  # what F.cross_entropy's mean divides by (NaN when nothing counts, as it)

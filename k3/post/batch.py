@@ -63,10 +63,16 @@ def pack(trajs: Sequence[Trajectory], advantages: Sequence[Sequence[float]], max
 
 def token_logprobs(model, batch: dict) -> torch.Tensor:
     """[N] log pi(y_t) of the batch's reply tokens under ``model`` (differentiable)."""
+    return forward_logprobs(model, batch)[0]
+
+
+def forward_logprobs(model, batch: dict, record: tuple[str, ...] = ()):
+    """(``token_logprobs``, the model's output: the statistics of ``record``, e.g. the trainer's, for QK-clip and
+    the balancer)."""
     device = next(model.parameters()).device
-    logits_TV = model(batch["input_ids"].to(device), cu_seqlens=batch["cu_seqlens"].to(device))["logits"][0]
-    logits_NV = logits_TV[batch["pred_idx"].to(device)].float()
-    return torch.log_softmax(logits_NV, dim=-1).gather(-1, batch["targets"].to(device)[:, None]).squeeze(-1)
+    out = model(batch["input_ids"].to(device), cu_seqlens=batch["cu_seqlens"].to(device), record=record)
+    logits_NV = out["logits"][0][batch["pred_idx"].to(device)].float()
+    return torch.log_softmax(logits_NV, dim=-1).gather(-1, batch["targets"].to(device)[:, None]).squeeze(-1), out
 
 
 @torch.no_grad()

@@ -33,7 +33,7 @@ from ..train.metrics import MetricsLog
 from ..train.plan import StepLoss, TrainingPlan
 from ..train.state import check_resumable, find_checkpoint
 from ..train.trainer import Trainer, build_model
-from .batch import pack, score, token_logprobs
+from .batch import forward_logprobs, pack, score, token_logprobs
 from .effort import DEFAULT_TAU, BudgetLine, fit_budget, tau_at
 from .evaluate import ask, evaluate_policy
 from .format import ChatFormat
@@ -217,13 +217,13 @@ def rl_train(cfg: RLConfig, plan: TrainingPlan, tasks: dict | None = None, log=p
         clip = {"clipped": 0.0, "kl": 0.0}
 
         def loss_fn(m, b):
-            logp = token_logprobs(m, b)
+            logp, out = forward_logprobs(m, b, trainer.record)  # with what QK-clip and the balancer read
             ref = token_logprobs(reference, b).detach() if reference is not None else None
             loss, s = policy_loss(logp, b["sampled_logp"].to(logp.device), b["adv"].to(logp.device), cfg.eps_low,
                                   cfg.eps_high, b["denom"], ref, cfg.beta)
             for k in clip:
                 clip[k] += s[k]
-            return StepLoss(loss, loss.detach(), None, len(b["targets"]))
+            return StepLoss(loss, loss.detach(), None, len(b["targets"]), out.max_logit, out.routing)
 
         rec = trainer.step(batches, loss_fn) if batches else {"step": step + 1}
         step = trainer.step_count = rec["step"]

@@ -84,11 +84,12 @@ def exact_quantile_bias(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tor
 
 
 class ExpertBalancer:
-    """Keeps every MoE layer's router bias balanced; call observe() after each micro-batch forward, step() once
+    """Keeps every MoE layer's router bias balanced; call observe(out.routing) after each micro-batch forward (a
+    forward with ``record=("routing",)``, ``k3.layers.stats``), step() once
     per optimizer step (the new bias applies from the next step on); or update() there, which leaves its load
     statistics on the device to be read with the step's other figures (``Trainer``), and load_stats() on them.
 
-    ``source`` is a model (every LatentMoE in it is found and set to record its routing) or a list of routers
+    ``source`` is a model (every LatentMoE in it is found; observe() takes the forward's routing dict) or a list of routers
     (anything with ``e_score_correction_bias`` [E] and ``top_k``; pass the routing to observe() yourself).
     ``group`` is the data-parallel process group whose tokens are pooled (default: the whole world); under
     torch.distributed every rank of it must call step() (or update()), which holds the one collective.
@@ -106,8 +107,6 @@ class ExpertBalancer:
             self.moes = [m for m in source.modules() if isinstance(m, LatentMoE)]
             if not self.moes:
                 raise ValueError("the model has no LatentMoE layer: there is no router bias to balance")
-            for m in self.moes:
-                m.record_routing = True
             self.routers = [m.gate for m in self.moes]
         else:
             self.moes, self.routers = None, list(source)
@@ -128,15 +127,13 @@ class ExpertBalancer:
         self.bounds: torch.Tensor | None = None  # [layers, 2] fp64 histogram ranges, set by the step's first observe
 
     @torch.no_grad()
-    def observe(self, routing: list | None = None) -> None:
-        """Adds one micro-batch. ``routing``: per layer (scores [N,E], idx [N,k]) or None to skip that layer;
-        leave it out to read (and clear) what each LatentMoE recorded in its last forward."""
-        if routing is None:
+    def observe(self, routing: list | dict) -> None:
+        """Adds one micro-batch. ``routing``: per layer (scores [N,E], idx [N,k]) or None to skip that layer; built
+        from a model, the forward's ``CausalLMOutput.routing`` ({LatentMoE layer index: (scores, idx)}) instead."""
+        if isinstance(routing, dict):
             if self.moes is None:
                 raise ValueError("built from routers: pass observe() a list of (scores, idx), one per router")
-            routing = [m.last_routing for m in self.moes]
-            for m in self.moes:
-                m.last_routing = None  # each forward is counted once
+            routing = [routing.get(m.layer_idx) for m in self.moes]
         if len(routing) != len(self.routers):
             raise ValueError(f"got routing for {len(routing)} layers; this balancer manages {len(self.routers)}")
         if all(x is None for x in routing):

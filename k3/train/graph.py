@@ -25,9 +25,9 @@ Other rules a replay depends on, checked here rather than assumed:
     every replay (so they are never zeroed or set to None afterwards: the optimiser reads them there);
   - device work only: one process (no collectives), no offload policy (host copies), the default loss (a caller's
     own loss function may read the device), text batches;
-  - what the forward leaves on modules for later eager code (QK-clip's ``max_logit``, the router's
-    ``last_routing`` for balancing) is the graph's output memory: after each replay the modules get it back, the
-    max logit as the running maximum over the step's micro-batches, as an eager forward leaves it.
+  - the forward's statistics (``record``: QK-clip's ``max_logit``, the routing for balancing, in the StepLoss) are
+    the graph's output memory, rewritten by every replay: the trainer reads them before the next replay (the
+    balancer's observe, in stream order) or copies them (the max logits' running maximum over the micro-batches).
 
 Two extra forwards and backwards run per capture, eagerly on the capture stream before capturing, as PyTorch's
 whole-network capture does (lazy initialisation, autotuning and compilation outside the graph): the first measures
@@ -165,12 +165,12 @@ class StepGraph:
     ``plan``: the run's (one-process) ``ParallelPlan``; ``memory``: the run's ``ActivationManager``;
     ``micro_batches``: how many micro-batches a step accumulates (each backward is of loss / micro_batches)."""
 
-    def __init__(self, model, plan, memory, mtp_weight: float, micro_batches: int):
+    def __init__(self, model, plan, memory, mtp_weight: float, micro_batches: int, record: tuple[str, ...] = ()):
         why = graph_unsupported(plan.device, plan.world, memory.policy)
         if why is not None:
             raise ValueError(f"--cuda-graph: {why}")
         self.model, self.plan, self.memory = model, plan, memory
-        self.mtp_weight, self.micro_batches = mtp_weight, micro_batches
+        self.mtp_weight, self.micro_batches, self.record = mtp_weight, micro_batches, record
         self.graph, self.capacity, self.captures = None, None, 0
         self.saved_activation_bytes = None  # what the (eager) warm-up forward left for its backward
         self._amp = torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
@@ -180,15 +180,14 @@ class StepGraph:
     def params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def run(self, batch: dict, index: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-        """Micro-batch ``index`` (0-based) of a step -> (its lm loss, MTP loss or None, tokens), its gradient (summed
-        with the step's earlier micro-batches') in the parameters' ``.grad``."""
+    def run(self, batch: dict, index: int):
+        """Micro-batch ``index`` (0-based) of a step -> its ``StepLoss`` (the graph's output memory: read it before
+        the next replay), its gradient (summed with the step's earlier micro-batches') in the parameters' ``.grad``."""
         shapes, cu = layout(batch)
         if self.graph is None or not self.capacity.fits(shapes, cu):
             self._capture(batch, cu, Capacity.covering(shapes, cu, self.capacity))
         self.buffers.fill(self.capacity, batch, cu)
         self.graph.replay()
-        self._restore_side_outputs()
         self._accumulate(index)
         return self.out
 
@@ -196,7 +195,7 @@ class StepGraph:
 
     def _forward_backward(self, measure: bool = False):
         with self._amp, self.memory.forward(measure=measure) as saved:
-            out = self.plan.placed_loss(self.model, self.buffers.placed, self.mtp_weight)
+            out = self.plan.placed_loss(self.model, self.buffers.placed, self.mtp_weight, self.record)
         (out.loss / self.micro_batches).backward()
         return out, saved
 
@@ -205,7 +204,7 @@ class StepGraph:
         if self.graph is None and any(p.grad is not None for p in params):
             raise RuntimeError("StepGraph captures with every .grad None (the step's gradients are then the graph's "
                                "own memory); zero the gradients with set_to_none=True before the first replayed step")
-        self.graph = self.out = self._side = self.grads = self.buffers = None  # a recapture frees the old graph first
+        self.graph = self.out = self.grads = self.buffers = None  # a recapture frees the old graph first
         for p in params:
             p.grad = None
         torch.cuda.synchronize()
@@ -222,7 +221,6 @@ class StepGraph:
                     self.saved_activation_bytes = saved.kept_bytes
                 for p in params:
                     p.grad = None
-                self._clear_side_outputs()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the warm-up's activations back to the device for the graph's own pool
@@ -235,39 +233,11 @@ class StepGraph:
             raise RuntimeError(f"{len(built)} cu_seqlens plan(s) were built during capture (a host copy a replay would "
                                "repeat from freed memory); every plan must be built by the warm-up")
         self.graph, self.capacity, self.captures = graph, cap, self.captures + 1
-        self.out = (out.lm_loss, out.mtp_loss, out.tokens)  # the graph's outputs, rewritten by every replay
+        self.out = out  # the graph's outputs (the StepLoss), rewritten by every replay
         self._plans = plans  # the device tensors the graph reads, alive as long as it is
         self.grads = [p.grad for p in params if p.grad is not None]
-        self._side = self._side_outputs()
-        self._clear_side_outputs()
 
     # -------------------------------------------------------------- replay
-
-    def _side_outputs(self) -> list[tuple]:
-        from ..layers.sequence.mla import GatedMLA
-        from ..layers.width.latent_moe import LatentMoE
-
-        side = []
-        for m in self.model.modules():
-            if isinstance(m, GatedMLA) and m.max_logit is not None:
-                side.append((m, "max_logit", m.max_logit))
-            elif isinstance(m, LatentMoE) and getattr(m, "last_routing", None) is not None:
-                side.append((m, "last_routing", m.last_routing))
-        return side
-
-    def _clear_side_outputs(self) -> None:
-        for m, name, _ in self._side_outputs():
-            setattr(m, name, None)
-
-    def _restore_side_outputs(self) -> None:
-        """As an eager forward leaves them: the running max logit over the step's micro-batches (a copy: the next
-        replay overwrites the graph's), the routing of the last micro-batch (read by the balancer before the next
-        replay, in stream order)."""
-        for m, name, value in self._side:
-            if name == "max_logit":
-                m.max_logit = value.clone() if m.max_logit is None else torch.maximum(m.max_logit, value)
-            else:
-                setattr(m, name, value)
 
     def _accumulate(self, index: int) -> None:
         """The graph's backward writes each micro-batch's gradient over the last; the step's sum is kept aside and

@@ -7,8 +7,9 @@ When the recorded max logit m_h exceeds tau, with gamma = tau / m_h:
 so every logit of head h scales by exactly gamma and its max returns to tau. k_pe is one projection shared by
 all heads (kv_a_proj_with_mqa), so it is left alone; other heads and the value rows are untouched.
 
-Use: set ``layer.track_max_logit = True`` on the GatedMLA layers (``enable_max_logit_tracking``), then after
-each ``optimizer.step()`` call ``qk_clip_(model, tau)``; it resets the recorded maxima.
+Use: ask the forward for them (``model(..., record=("max_logit",))``: ``out.max_logit`` {layer: [H]}), take their
+maximum over the step's micro-batches (``k3.layers.stats.merge_max_logits``), then after ``optimizer.step()`` call
+``qk_clip_(model, max_logit, tau)``.
 """
 
 from __future__ import annotations
@@ -17,14 +18,6 @@ import torch
 from torch import nn
 
 from ..layers.sequence.mla import GatedMLA
-
-
-def enable_max_logit_tracking(model: nn.Module, on: bool = True) -> int:
-    """Switch max-logit recording on (or off) in every GatedMLA; return how many layers were switched."""
-    layers = [m for m in model.modules() if isinstance(m, GatedMLA)]
-    for m in layers:
-        m.track_max_logit, m.max_logit = on, None
-    return len(layers)
 
 
 @torch.no_grad()
@@ -38,7 +31,7 @@ def scale_head_logits_(layer: GatedMLA, gamma: torch.Tensor) -> None:
     g = gamma.to(torch.float32)  # stays on its device: no wait for it per layer
     q_rows = torch.cat([g.sqrt()[:, None].expand(H, Dn), g[:, None].expand(H, Dr)], 1).reshape(-1)  # [H*(Dn+Dr)]
     kv_rows = torch.cat([g.sqrt()[:, None].expand(H, Dn), g.new_ones(H, Dv)], 1).reshape(-1)  # [H*(Dn+Dv)]
-    for w, rows in (((layer.q_b_proj if hasattr(layer, "q_b_proj") else layer.q_proj).weight, q_rows),
+    for w, rows in (((layer.q_b_proj if layer.q_lora else layer.q_proj).weight, q_rows),
                     (layer.kv_b_proj.weight, kv_rows)):
         factor = rows.to(w.device)[:, None].expand(w.shape)
         w.copy_((w.float() * _like(w, factor)).to(w.dtype) if not hasattr(w, "device_mesh")
@@ -46,26 +39,25 @@ def scale_head_logits_(layer: GatedMLA, gamma: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def qk_clip_(model: nn.Module, tau: float = 100.0) -> torch.Tensor:
-    """Clip every MLA head whose recorded max logit exceeds ``tau``; return the number of heads clipped, a 0-d
-    int64 tensor on the layers' device (not read back here: the caller reads it with the step's other figures).
+def qk_clip_(model: nn.Module, max_logit: dict | None, tau: float = 100.0) -> torch.Tensor:
+    """Clip every MLA head of ``model`` whose max logit in ``max_logit`` ({layer index: [H] fp32}, the forwards'
+    ``CausalLMOutput.max_logit``) exceeds ``tau``; return the number of heads clipped, a 0-d int64 tensor on the
+    layers' device (not read back here: the caller reads it with the step's other figures).
 
-    Layers without a recorded ``max_logit`` (tracking off, or no training forward since the last call) are
-    skipped; recorded maxima are reset so the next window starts fresh. Under data parallelism all-reduce
-    each ``max_logit`` with MAX first, so that every replica clips the same heads.
+    Layers absent from ``max_logit`` are skipped. Under data parallelism all-reduce each max logit with MAX first
+    (``TrainingPlan.sync_max_logits``), so that every replica clips the same heads.
     """
     if tau <= 0:
         raise ValueError(f"qk_clip_: tau must be positive, got {tau}")
     counts = []
     for layer in model.modules():
-        if not isinstance(layer, GatedMLA) or layer.max_logit is None:
+        if not isinstance(layer, GatedMLA) or not max_logit or layer.layer_idx not in max_logit:
             continue
-        m = layer.max_logit.float()
+        m = max_logit[layer.layer_idx].float()
         if m.shape != (layer.num_heads,):
             raise ValueError(f"GatedMLA layer {layer.layer_idx}: max_logit has shape {tuple(m.shape)}, "
                              f"expected ({layer.num_heads},)")
         over = m > tau
         scale_head_logits_(layer, torch.where(over, tau / m, torch.ones_like(m)))
         counts.append(over.sum())
-        layer.max_logit = None
     return torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64)

@@ -23,6 +23,7 @@ import torch
 
 from ..pretrained import load_pretrained
 from ..config import K3Config
+from ..layers.stats import merge_max_logits
 from ..model.transformer import K3ForCausalLM
 from .balance import ExpertBalancer
 from .compile import compile_model
@@ -31,7 +32,7 @@ from .memory import ActivationManager
 from .optim import build_optimizer, clip_coefficient
 from .optim.named import is_named, load_named_state, to_named
 from .plan import StepLoss
-from .qk_clip import enable_max_logit_tracking, qk_clip_
+from .qk_clip import qk_clip_
 from .schedule import build_scheduler, resume_point
 from .state import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 
@@ -64,7 +65,7 @@ class Trainer:
                              "through the context-parallel view; use --memory-policy efficient or offload there")
         self.memory = ActivationManager(cfg.memory_policy)
         # the step as a CUDA graph (k3.train.graph), captured on the first step; refuses what it cannot replay
-        self.graph = StepGraph(model, plan, self.memory, cfg.mtp_weight, cfg.grad_accum) if cfg.cuda_graph else None
+        self.graph = None  # built below, once the statistics to record are known
         self.memory.attach(model)
         if cfg.compile:
             compile_model(model)
@@ -84,8 +85,10 @@ class Trainer:
         self.balancing = cfg.balance != "none" and bool(model.config.num_experts)
         self.balancer = ExpertBalancer(model, method=cfg.balance, group=getattr(plan, "balance_group", None)) \
             if self.balancing and has_experts else None
-        if cfg.qk_clip_tau:
-            enable_max_logit_tracking(model)
+        # the statistics the step's forwards return (k3.layers.stats): QK-clip's max logits, the balancer's routing
+        self.record = (("max_logit",) if cfg.qk_clip_tau else ()) + (("routing",) if self.balancer is not None else ())
+        if cfg.cuda_graph:
+            self.graph = StepGraph(model, plan, self.memory, cfg.mtp_weight, cfg.grad_accum, self.record)
         self.step_count, self.tokens = 0, 0
         if state is not None:
             if is_named(state["optimizer"]):  # written under another layout (k3.train.optim.named)
@@ -107,8 +110,9 @@ class Trainer:
         self.amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
     def default_loss(self, model, batch: dict) -> StepLoss:
-        """Next-token (+ MTP) cross-entropy of a packed batch (its "labels", -100 = no target, when it has them)."""
-        return self.plan.loss(model, batch, self.cfg.mtp_weight)
+        """Next-token (+ MTP) cross-entropy of a packed batch (its "labels", -100 = no target, when it has them), with
+        the statistics QK-clip and the balancer need."""
+        return self.plan.loss(model, batch, self.cfg.mtp_weight, self.record)
 
     def step(self, micro_batches: Sequence[dict], loss_fn: Callable[..., StepLoss] | None = None,
              measure: bool = False) -> dict:
@@ -125,29 +129,30 @@ class Trainer:
         if graphed and n != self.graph.micro_batches:
             raise ValueError(f"--cuda-graph: this step has {n} micro-batches, the captured step "
                              f"{self.graph.micro_batches}; keep --grad-accum fixed")
-        loss_sum, mtp_sum, first_saved, peaks = 0.0, 0.0, None, None
+        loss_sum, mtp_sum, first_saved, peaks, max_logit = 0.0, 0.0, None, None, None
         if self.pipelined:  # the schedule runs every micro-batch's forward and backward (k3.distributed.pipeline_plan)
             with self.amp, self.memory.forward(measure=measure) as saved:
-                lm, mtp, tokens, peaks = self.plan.pipeline_step(model, micro_batches, self.cfg.mtp_weight,
-                                                                 self.balancer.observe if self.balancer else None,
-                                                                 saved if measure else None)
+                lm, mtp, tokens, peaks, max_logit = self.plan.pipeline_step(
+                    model, micro_batches, self.cfg.mtp_weight, self.record,
+                    self.balancer.observe if self.balancer else None, saved if measure else None)
             loss_sum, mtp_sum, micro_batches = lm, (mtp if mtp is not None else 0.0), []
             first_saved = max(peaks) if peaks else None  # the most any pipeline rank held at once
             self.tokens += tokens
         for i, batch in enumerate(micro_batches):
             if graphed:
-                lm, mtp, tokens = self.graph.run(batch, i)
+                res = self.graph.run(batch, i)
             else:
                 with self.amp, self.memory.forward(measure=measure and i == 0) as saved:
-                    loss, lm, mtp, tokens = loss_fn(model, batch)
+                    res = loss_fn(model, batch)
                 if i == 0:
                     first_saved = saved.kept_bytes
-                (loss / n).backward()
-            loss_sum += lm / n
-            mtp_sum += (mtp if mtp is not None else 0.0) / n
-            if self.balancer is not None:
-                self.balancer.observe()
-            self.tokens += tokens
+                (res.loss / n).backward()
+            loss_sum += res.lm_loss / n
+            mtp_sum += (res.mtp_loss if res.mtp_loss is not None else 0.0) / n
+            if self.balancer is not None and res.routing is not None:  # (a caller's loss may return none)
+                self.balancer.observe(res.routing)  # before a graph's next replay rewrites it, in stream order
+            max_logit = merge_max_logits(max_logit, res.max_logit)
+            self.tokens += res.tokens
         self.plan.reduce_grads(model)
         # clipping's factor is applied inside the optimiser's passes (no pass of its own over the gradients)
         grad_norm, coef = getattr(self.plan, "clip_coefficient", clip_coefficient)(model.parameters(), self.cfg.grad_clip)
@@ -160,9 +165,9 @@ class Trainer:
         # all of it (a read before them would leave the device idle while the host launches them, and a read of
         # its own for each would idle it three times); a non-finite loss stops the run before anything of this
         # step is saved
-        if self.cfg.qk_clip_tau:
-            self.plan.sync_max_logits(model)
-        clipped = qk_clip_(model, self.cfg.qk_clip_tau) if self.cfg.qk_clip_tau else None
+        if self.cfg.qk_clip_tau and max_logit:
+            self.plan.sync_max_logits(max_logit)
+        clipped = qk_clip_(model, max_logit, self.cfg.qk_clip_tau) if self.cfg.qk_clip_tau else None
         load = self.balancer.update() if self.balancer is not None else None
         figures = {"loss": loss_sum, "mtp": mtp_sum, "grad_norm": grad_norm,
                    "clipped": 0 if clipped is None else clipped}

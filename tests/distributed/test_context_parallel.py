@@ -40,25 +40,21 @@ def _check_case(rank, world, model, layout, split):
     cu = torch.tensor(layout) if layout is not None else None
     start, end = (0, split) if rank == 0 else (split, T_GLOBAL)
 
-    mlas = [m for m in model.modules() if isinstance(m, GatedMLA)]
-    for m in mlas:
-        m.track_max_logit, m.max_logit = True, None
+    mlas = [m.layer_idx for m in model.modules() if isinstance(m, GatedMLA)]
     model.zero_grad(set_to_none=True)
-    ref = model(ids, cu_seqlens=cu, labels=ids)
+    ref = model(ids, cu_seqlens=cu, labels=ids, record=("max_logit",))
     ref["loss"].backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    ref_max = [m.max_logit.clone() for m in mlas]
+    assert sorted(ref.max_logit) == sorted(mlas)
 
     model.zero_grad(set_to_none=True)
-    for m in mlas:
-        m.max_logit = None
     cp = ContextParallel(None, start, end, cu)
-    logits = model(ids[:, start:end], mixer=cp)["logits"]
-    for m, r in zip(mlas, ref_max):  # QK-clip's statistic: the MAX over ranks equals one process's
-        got = m.max_logit.clone()
+    out = model(ids, mixer=cp, record=("max_logit",))  # the global row: the view takes this rank's tokens
+    logits = out["logits"]
+    for layer in mlas:  # QK-clip's statistic: the MAX over ranks equals one process's
+        got = out.max_logit[layer].clone()
         dist.all_reduce(got, op=dist.ReduceOp.MAX)
-        torch.testing.assert_close(got, r, atol=1e-5, rtol=1e-5)
-        m.track_max_logit, m.max_logit = False, None
+        torch.testing.assert_close(got, ref.max_logit[layer], atol=1e-5, rtol=1e-5)
     targets = cp_shifted_targets(ids, cu, start, end)
     loss = cp_mean_loss(logits, targets)
     loss.backward()
@@ -91,7 +87,7 @@ def _check_chunked_loss(rank, model):
     runs = []
     for chunk in (5, 4096):
         model.zero_grad(set_to_none=True)
-        lm, _ = cp_model_loss(model, ids, cu, start, end, None, mtp=False, loss_chunk=chunk)
+        lm = cp_model_loss(model, ids, cu, start, end, None, mtp=False, loss_chunk=chunk)["lm_loss"]
         lm.backward()
         runs.append((lm.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
     (lm5, g5), (lm_all, g_all) = runs

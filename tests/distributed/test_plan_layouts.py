@@ -83,7 +83,7 @@ def compare_gradients(par, model, batch, w, ref, ref_grads, rank, tag=""):
     ``reduce_grads`` (gathered to full, experts put back in their true order) and the global norm the loop clips
     with equal one process's on the same global batch."""
     model.zero_grad(set_to_none=True)
-    loss, lm, mtp, n = par.loss(model, batch, w)
+    loss, lm, mtp, n = par.loss(model, batch, w)[:4]
     loss.backward()
     par.reduce_grads(model)
     assert n == batch["input_ids"].numel()

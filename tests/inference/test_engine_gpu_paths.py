@@ -56,8 +56,7 @@ def gpu_paths(monkeypatch):
 
     # AttnRes's row kernel (with the residual add inside) and KDA's fused gated norm + o_proj, at a decode step's
     # rows only (at most 4: the reference forwards below have more, so they stay on the plain path)
-    import k3.layers.depth.attn_res as depth
-    import k3.layers.sequence.kda as kda
+    import k3.inference.fast as fast
     import k3.ops.attn_res as attn_res
     from k3.ops.proj_decode import TILE
 
@@ -67,7 +66,7 @@ def gpu_paths(monkeypatch):
     def proj_applies(x, rows, max_rows, weight, width):
         return not torch.is_grad_enabled() and rows <= min(4, max_rows) and width <= TILE
 
-    real_kda_out = kda.kda_output_decode
+    real_kda_out = fast.kda_output_decode
 
     def kda_out(*a):
         calls["kda_out"] += 1
@@ -80,11 +79,11 @@ def gpu_paths(monkeypatch):
         return real_rows(*a)
 
     calls.update(attn_res=0, kda_out=0)
-    monkeypatch.setattr(depth, "kernel_applies", few_rows)
+    monkeypatch.setattr(fast, "kernel_applies", few_rows)
     monkeypatch.setattr(attn_res, "kernel_applies", few_rows)
     monkeypatch.setattr(attn_res, "_rows", rows)
-    monkeypatch.setattr(kda, "proj_decode_applies", proj_applies)
-    monkeypatch.setattr(kda, "kda_output_decode", kda_out)
+    monkeypatch.setattr(fast, "proj_decode_applies", proj_applies)
+    monkeypatch.setattr(fast, "kda_output_decode", kda_out)
     return calls
 
 

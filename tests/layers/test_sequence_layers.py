@@ -34,12 +34,12 @@ def test_kda_packed_documents_are_independent():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("packed", [False, True])
-def test_kda_stacked_inputs_equal_six_projections_and_three_convs(packed, monkeypatch):
-    """Without a decode state the layer makes the projections of x in two matmuls and convolves q, k, v as one
-    depthwise conv over the stacked channels (``stateless_inputs``, the conv's SiLU applied in ``activations``): the
-    output and every gradient equal the per-projection path's (the stateful one, the SiLU inside each conv), and the
-    short conv runs once instead of three times."""
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_kda_stacked_conv_equals_three_convs(packed, monkeypatch):
+    """Without a decode state the layer convolves q, k, v as one depthwise conv over the stacked channels
+    (``stateless_inputs``, the conv's SiLU applied in ``activations``): the output and every gradient equal the
+    stateful path's (each conv its own, with its tail and the SiLU inside), and the short conv runs once instead of
+    three times."""
     import k3.layers.sequence.kda as kda_layer
 
     cfg = K3Config.preset("tiny")
@@ -161,8 +161,9 @@ def test_mla_varlen_path_equals_the_grouped_path(monkeypatch):
 
     cfg = K3Config.preset("tiny")
     torch.manual_seed(0)
+    from k3.layers.stats import Statistics
+
     layer = GatedMLA(cfg).train()
-    layer.track_max_logit = True
     x = torch.randn(1, 40, cfg.hidden_size)
     cu = torch.tensor([0, 7, 8, 30, 40])
     runs = []
@@ -171,10 +172,10 @@ def test_mla_varlen_path_equals_the_grouped_path(monkeypatch):
         monkeypatch.setattr(mla_mod, "varlen_attention_available", lambda q: varlen)
         monkeypatch.setattr(mla_mod, "_varlen_kernel", lambda: _reference_varlen_attn(calls))
         layer.zero_grad(set_to_none=True)
-        layer.max_logit = None
-        y = layer(x, cu)
+        stats = Statistics(("max_logit",))
+        y = layer(x, cu, stats=stats)
         (y * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
-        runs.append((y, {n: p.grad.clone() for n, p in layer.named_parameters()}, layer.max_logit, calls))
+        runs.append((y, {n: p.grad.clone() for n, p in layer.named_parameters()}, stats.max_logit[0], calls))
     (y0, g0, m0, c0), (y1, g1, m1, c1) = runs
     assert c0 == [] and c1 == [{"cu_dtype": torch.int32, "max": (22, 22), "window": (-1, 0),
                                 "dims": (cfg.qk_head_dim, cfg.qk_head_dim)}]

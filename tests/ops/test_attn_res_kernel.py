@@ -93,10 +93,10 @@ def test_inference_row_kernel_is_the_add_then_the_reference_mix(S, N, D, norm, d
 
 
 def test_depth_stream_with_the_add_in_the_mix_equals_the_plain_stream(monkeypatch):
-    """A whole no-grad forward with the inference path (each write's add pending, done by the next read's row
-    kernel; on CPU through Triton's interpreter) gives the logits of the plain stream (every add done at the write,
-    as under autograd)."""
-    import k3.layers.depth.attn_res as depth
+    """A whole no-grad forward with the inference path (an InferenceMixer's PendingDepthStream: each write's add
+    pending, done by the next read's row kernel; on CPU through Triton's interpreter) gives the logits of the plain
+    stream (every add done at the write)."""
+    import k3.inference.fast as depth
     import k3.ops.attn_res as ops
     from k3.config import K3Config
     from k3.model.transformer import K3ForCausalLM
@@ -111,6 +111,11 @@ def test_depth_stream_with_the_add_in_the_mix_equals_the_plain_stream(monkeypatc
     ids = torch.randint(0, cfg.vocab_size, (2, 9), device=DEV)
     with torch.enable_grad():  # the plain stream: every add at its write (the row kernel is for inference only)
         ref = model(ids).logits.detach()
+
+    class OwnAttention(depth.InferenceMixer):  # the layers' own token mixers, inference's depth stream
+        def attend(self, layer, x):
+            return layer.attend(x)
+
     calls = []
     real = ops._rows
 
@@ -123,7 +128,7 @@ def test_depth_stream_with_the_add_in_the_mix_equals_the_plain_stream(monkeypatc
         monkeypatch.setattr(ops, "kernel_applies", lambda sources: True)
     monkeypatch.setattr(ops, "_rows", counted)
     with torch.no_grad():
-        fused = model(ids).logits
+        fused = model(ids, mixer=OwnAttention()).logits
     assert calls and any(calls), "the row kernel never ran with a pending add"
     assert_close("logits", ref, fused, 1e-5)
 

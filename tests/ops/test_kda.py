@@ -42,8 +42,7 @@ def test_recurrent_matches_explicit_matrix_form():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("B,T,H,K,V,chunk", [(2, 100, 3, 16, 8, 64), (1, 64, 2, 32, 32, 64), (2, 37, 2, 16, 16, 16),
-                                             (1, 200, 2, 8, 16, 32)],
-                         ids=lambda x: str(x))
+                                             (1, 200, 2, 8, 16, 32)])
 @pytest.mark.parametrize("with_h0", [False, True])
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-9), (torch.float32, 1e-3)], ids=["fp64", "fp32"])
 def test_chunk_matches_recurrent_outputs_states_and_grads(B, T, H, K, V, chunk, with_h0, dtype, tol):

@@ -62,41 +62,40 @@ def test_kda_output_kernel_is_the_gated_head_norm_then_o_proj(N, H, K, Dout, dty
 def _decode_paths_on(monkeypatch):
     """On CPU the fused paths run only under the interpreter, and only when told to: their checks ask for CUDA."""
     if DEV == "cpu":
-        import k3.layers.sequence.kda as kda
-        import k3.layers.width.latent_moe as moe
+        import k3.inference.fast as fast
 
         def applies(x, rows, max_rows, weight, width):
             return not torch.is_grad_enabled() and rows <= max_rows and width <= 4096
 
-        monkeypatch.setattr(moe, "proj_decode_applies", applies)
-        monkeypatch.setattr(kda, "proj_decode_applies", applies)
-        monkeypatch.setattr(moe, "decode_applies", lambda z, idx: not torch.is_grad_enabled())
+        monkeypatch.setattr(fast, "proj_decode_applies", applies)
+        monkeypatch.setattr(fast, "decode_applies", lambda z, idx: not torch.is_grad_enabled())
 
 
 @pytest.mark.parametrize("N", [1, 2])
 def test_latent_moe_decode_path_equals_its_general_path(N, monkeypatch):
     """LatentMoE with fused projections at a decode step's rows: expert kernels + the one output kernel == the
-    grouped experts, the latent norm, the shared experts and the fused output matmul (the general path, taken under
-    autograd)."""
+    grouped experts, the latent norm, the shared experts and the fused output matmul (the layer's own forward)."""
+    from k3.inference.fast import moe_ffn
     from k3.layers.width.latent_moe import LatentMoE
 
     torch.manual_seed(0)
     moe = LatentMoE(K3Config.preset("tiny")).to(DEV)
     moe.fuse_projections()
     x = torch.randn(N, 1, moe.gate.weight.shape[1], device=DEV) * 2
-    ref = moe(x).detach()  # with a gradient: the general path
+    ref = moe(x).detach()  # the layer's own forward: the general path
     _decode_paths_on(monkeypatch)
     calls = []
-    import k3.layers.width.latent_moe as mod
+    import k3.inference.fast as mod
     real = mod.moe_output_decode
     monkeypatch.setattr(mod, "moe_output_decode", lambda *a: calls.append(1) or real(*a))
     with torch.no_grad():
-        out = moe(x)
+        out = moe_ffn(moe, x)
     assert calls, "the fused output kernel did not run"
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
 def test_kda_decode_output_equals_its_general_path(monkeypatch):
+    from k3.inference.fast import kda_output
     from k3.layers.sequence.kda import KimiDeltaAttention
 
     torch.manual_seed(0)
@@ -108,23 +107,24 @@ def test_kda_decode_output_equals_its_general_path(monkeypatch):
     ref = attn.output(o, gate).detach()
     _decode_paths_on(monkeypatch)
     calls = []
-    import k3.layers.sequence.kda as mod
+    import k3.inference.fast as mod
     real = mod.kda_output_decode
     monkeypatch.setattr(mod, "kda_output_decode", lambda *a: calls.append(1) or real(*a))
     with torch.no_grad():
-        out = attn.output(o, gate)
+        out = kda_output(attn, o, gate)
     assert calls, "the fused output kernel did not run"
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
 def test_more_rows_than_the_limit_take_the_unfused_path(monkeypatch):
+    from k3.inference.fast import moe_ffn
     from k3.layers.width.latent_moe import LatentMoE
     from k3.ops.proj_decode import MOE_ROWS
 
     moe = LatentMoE(K3Config.preset("tiny")).to(DEV)
     moe.fuse_projections()
     _decode_paths_on(monkeypatch)
-    import k3.layers.width.latent_moe as mod
+    import k3.inference.fast as mod
     monkeypatch.setattr(mod, "moe_output_decode", lambda *a: pytest.fail("fused past MOE_ROWS"))
     with torch.no_grad():
-        moe(torch.randn(MOE_ROWS + 1, 1, moe.gate.weight.shape[1], device=DEV))
+        moe_ffn(moe, torch.randn(MOE_ROWS + 1, 1, moe.gate.weight.shape[1], device=DEV))

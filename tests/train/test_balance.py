@@ -179,16 +179,16 @@ def test_single_rank_all_reduce_path(tmp_path):
 def test_balancer_on_a_tiny_model():
     model = K3ForCausalLM(K3Config.preset("tiny"))
     bal = ExpertBalancer(model)
-    assert len(bal.routers) == 6 and all(m.record_routing for m in bal.moes)  # 5 trunk MoE layers + MTP
+    assert len(bal.routers) == 6  # 5 trunk MoE layers + MTP
     with pytest.raises(RuntimeError, match="after a forward"):
-        bal.observe()
+        bal.observe({})
     ids = torch.randint(0, 1024, (2, 32))
     with torch.no_grad():
-        model(ids, labels=ids)  # labels: the MTP layer runs too
-        bal.observe()
-        model(ids)  # no labels: the MTP layer is skipped
-        bal.observe()
-    assert all(m.last_routing is None for m in bal.moes)
+        out = model(ids, labels=ids, record=("routing",))  # labels: the MTP layer runs too
+        assert sorted(out.routing) == [m.layer_idx for m in bal.moes] and out.max_logit is None
+        bal.observe(out.routing)
+        bal.observe(model(ids, record=("routing",)).routing)  # no labels: the MTP layer is skipped
+    assert not any(hasattr(m, "last_routing") for m in bal.moes)  # nothing stays on the modules
     assert [int(c.sum()) for c in bal.loads] == [2 * 64 * 2] * 5 + [64 * 2]  # 2 forwards x 64 tokens x k=2
     before = [r.e_score_correction_bias.clone() for r in bal.routers]
     stats = bal.step()

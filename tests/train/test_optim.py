@@ -13,7 +13,8 @@ from k3.ops.max_logit import causal_max_logit_reference as max_causal_logit
 from k3.layers.width.latent_moe import LatentMoE
 from k3.train.optim import CombinedOptimizer, Muon, build_optimizer, describe_param_groups, newton_schulz
 from k3.train.optim.muon import block_shape, parse_split, to_blocks
-from k3.train.qk_clip import enable_max_logit_tracking, qk_clip_
+from k3.layers.stats import Statistics, merge_max_logits
+from k3.train.qk_clip import qk_clip_
 from k3.train.schedule import build_scheduler, lr_lambda
 
 TINY = K3Config.preset("tiny")
@@ -320,9 +321,14 @@ def test_qk_clip_returns_the_head_to_tau_and_leaves_others(cfg):
         q_lin.weight.view(H, Dn + Dr, -1)[1] *= 12.0
         layer.kv_b_proj.weight.view(H, Dn + layer.dv, -1)[1, :Dn] *= 12.0
     x = torch.randn(2, 12, cfg.hidden_size)
-    layer.track_max_logit = True
-    layer(x)
-    before = layer.max_logit.clone()
+
+    def max_logit():  # a forward that records its max logits -> {layer index: [H]}
+        stats = Statistics(("max_logit",))
+        layer(x, stats=stats)
+        return stats.max_logit
+
+    recorded = max_logit()
+    before = recorded[0].clone()
     torch.testing.assert_close(before, brute_max_logit(layer, x), rtol=1e-5, atol=1e-5)
     tau = 2.0 * before[[0, 2, 3]].max().item()
     assert before[1] > 2 * tau
@@ -330,25 +336,20 @@ def test_qk_clip_returns_the_head_to_tau_and_leaves_others(cfg):
 
     seen = []
     hook = layer.o_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().view(2, 12, H, -1)))
-    layer(x)  # (recording continues: the running max is unchanged by an identical batch)
-    assert qk_clip_(layer, tau) == 1 and layer.max_logit is None
-    layer(x)
+    recorded = merge_max_logits(recorded, max_logit())  # a second micro-batch: the running max of identical ones
+    assert qk_clip_(layer, recorded, tau) == 1
+    after = max_logit()[0]
     hook.remove()
-    after = layer.max_logit
     assert after[1].item() == pytest.approx(tau, rel=1e-3)
     torch.testing.assert_close(after[[0, 2, 3]], before[[0, 2, 3]], atol=0, rtol=0)
     torch.testing.assert_close(seen[1][:, :, [0, 2, 3]], seen[0][:, :, [0, 2, 3]], atol=0, rtol=0)
     assert not torch.allclose(seen[1][:, :, 1], seen[0][:, :, 1])
     assert torch.equal(layer.kv_a_proj_with_mqa.weight, k_pe_w)  # shared k_pe untouched
-    assert qk_clip_(layer, tau) == 1 and qk_clip_(layer, tau) == 0  # nothing recorded since the last clip
+    assert qk_clip_(layer, None, tau) == 0 and qk_clip_(layer, {}, tau) == 0  # nothing recorded: nothing clipped
 
 
 @pytest.mark.slow
 def test_max_logit_tracking_is_chunked_masked_and_opt_in():
-    layer = GatedMLA(TINY).train()
-    x = torch.randn(1, 23, TINY.hidden_size)
-    layer(x)
-    assert layer.max_logit is None  # off by default
     q, k = torch.randn(2, 3, 23, 8), torch.randn(2, 3, 23, 8)
     valid = torch.ones(2, 23, dtype=torch.bool)
     valid[1, 9:] = False  # row 1 is a 9-token document padded to 23
@@ -360,13 +361,13 @@ def test_max_logit_tracking_is_chunked_masked_and_opt_in():
     q[1, :, 9:] = 1e3  # padding never counts
     torch.testing.assert_close(max_causal_logit(q, k, 0.5, valid=valid), s)
     model = K3ForCausalLM(TINY).train()
-    assert enable_max_logit_tracking(model) == 3  # two MLA layers and the MTP layer
-    model(torch.randint(0, TINY.vocab_size, (1, 16)), labels=torch.randint(0, TINY.vocab_size, (1, 16)))
+    ids = torch.randint(0, TINY.vocab_size, (1, 16))
+    assert model(ids, labels=ids).max_logit is None  # off by default
+    out = model(ids, labels=ids, record=("max_logit",))
     mlas = [m for m in model.modules() if isinstance(m, GatedMLA)]
-    assert all(m.max_logit is not None and m.max_logit.shape == (TINY.num_attention_heads,) for m in mlas)
-    assert qk_clip_(model, tau=1e9) == 0 and all(m.max_logit is None for m in mlas)
-    model.eval()(torch.randint(0, TINY.vocab_size, (1, 8)))
-    assert all(m.max_logit is None for m in mlas)  # inference never records
+    assert sorted(out.max_logit) == sorted(m.layer_idx for m in mlas) and len(mlas) == 3  # two MLA layers, MTP's
+    assert all(m.shape == (TINY.num_attention_heads,) for m in out.max_logit.values())
+    assert qk_clip_(model, out.max_logit, tau=1e9) == 0
 
 
 def test_bucketed_newton_schulz_equals_one_call_per_parameter():

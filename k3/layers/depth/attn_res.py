@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...ops.attn_res import (SourceGrad, attn_res_add_mix_norm, attn_res_mix_norm, kernel_applies, seal_source,
-                             uses_kernel)
+from ...config import K3Config
+from ...ops.attn_res import SourceGrad, attn_res_mix_norm, seal_source, uses_kernel
 from ...ops.regions import region
 from ..norm import RMSNorm
 
@@ -32,9 +32,9 @@ class PseudoQuery(nn.Module):
 class DepthStream:
     """Holds the sources of one forward pass. mode: "block"/"full" (AttnRes) or "none" (plain residual).
 
-    In inference on CUDA a sub-layer's write is kept ``pending`` and the next read does the add inside its mix kernel
-    (``attn_res_add_mix_norm``): one launch and one pass over the partial sum instead of an add, then a mix. The
-    running sum of the current block is then ``partial + pending``; ``pending`` is None whenever autograd records."""
+    A subclass may keep a sub-layer's write ``pending`` and add it inside the next read's mix (inference's
+    ``k3.inference.fast.PendingDepthStream``): the running sum of the current block is then ``partial + pending``.
+    Here every write is added at once and ``pending`` stays None."""
 
     def __init__(self, embedding: torch.Tensor, mode: str, block_size: int, eps: float):
         self.mode, self.block_size, self.eps = mode, block_size, eps
@@ -61,12 +61,15 @@ class DepthStream:
         self.sublayer += 1
         return h
 
+    @classmethod
+    def of(cls, embedding: torch.Tensor, config: K3Config) -> "DepthStream":
+        """The stream of a forward of a model with ``config``, starting from the embedding [B,T,D]."""
+        return cls(embedding, config.attn_res, cls.sublayer_block_size(config.attn_res, config.attn_res_block_size),
+                   config.rms_norm_eps)
+
     def write(self, out: torch.Tensor) -> None:
         if self.partial is None:
             self.partial = out
-        elif self.pending is None and self.mode != "none" and not torch.is_grad_enabled() and \
-                kernel_applies([self.partial, out]):
-            self.pending = out  # added by the next read's kernel
         else:
             self._add_pending()
             self.partial = self.partial + out
@@ -78,12 +81,8 @@ class DepthStream:
         return self._mix_sources(query)
 
     def _mix_sources(self, query: PseudoQuery, norm: nn.Module | None = None) -> torch.Tensor:
-        """The mix of blocks + [partial] (a pending write added first: inside the mix's kernel when there are
-        blocks to mix with), through ``norm`` when given; one source is itself."""
-        if self.pending is not None and self.blocks:
-            h, self.partial = self._add_and_mix(query, norm)
-            self.pending = None
-            return h
+        """The mix of blocks + [partial] (a pending write added first), through ``norm`` when given; one source is
+        itself."""
         self._add_pending()
         sources = self.blocks + ([self.partial] if self.partial is not None else [])
         if len(sources) > 1:
@@ -102,12 +101,6 @@ class DepthStream:
         sinks = tuple(self.sinks.get(id(x)) for x in sources) if uses_kernel(sources) else None  # (kernel's only)
         return region("attn_res", _mix_and_norm, self.eps, query.proj.weight, query.norm.weight, norm, sinks,
                       *sources)
-
-    def _add_and_mix(self, query: PseudoQuery, norm: nn.Module | None = None):
-        """Inference: (the mix of blocks + [partial + delta], partial + delta), the add inside the kernel."""
-        return attn_res_add_mix_norm(self.blocks + [self.partial], self.pending, query.proj.weight[0],
-                                     query.norm.weight, self.eps, norm.weight if norm is not None else None,
-                                     norm.eps if norm is not None else 0.0)
 
     @staticmethod
     def sublayer_block_size(mode: str, decoder_block_size: int) -> int:

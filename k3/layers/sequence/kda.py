@@ -17,10 +17,9 @@ from torch import nn
 from ...config import K3Config
 from ...ops import kda as kda_ops
 from ...ops.norms import gated_rms_norm, l2_norm
-from ...ops.proj_decode import KDA_ROWS, kda_output_decode, kda_output_width, proj_decode_applies
 from ...ops.regions import region
 from ...ops.short_conv import short_conv
-from ..fuse import fuse_linears, stacked_linear, use_fused
+from ..fuse import fuse_linears, stacked_linear
 
 
 @dataclass
@@ -60,7 +59,8 @@ class KimiDeltaAttention(nn.Module):
         self.f_a_proj = nn.Linear(D, K, bias=False)  # gate bottleneck, rank = head dim
         self.f_b_proj = nn.Linear(K, H * K, bias=False)
         self.b_proj = nn.Linear(D, H, bias=False)
-        if config.use_full_rank_gate:
+        self.full_rank_gate = config.use_full_rank_gate  # else Kimi Linear's low-rank output gate, g_b(g_a x)
+        if self.full_rank_gate:
             self.g_proj = nn.Linear(D, H * K, bias=False)
         else:  # Kimi Linear's low-rank output gate
             self.g_a_proj = nn.Linear(D, K, bias=False)
@@ -85,30 +85,45 @@ class KimiDeltaAttention(nn.Module):
 
     def fuse_projections(self) -> None:
         """Inference: q, k, v, f_a, b and the output gate's first projection become one matmul (``k3.layers.fuse``)."""
-        gate = self.g_proj if hasattr(self, "g_proj") else self.g_a_proj
+        gate = self.g_proj if self.full_rank_gate else self.g_a_proj
         self.in_proj, self._in_sizes = fuse_linears([self.q_proj, self.k_proj, self.v_proj, self.f_a_proj,
                                                      self.b_proj, gate])
 
     # The token mixer in three pieces, so that inference (paged, in-place state) and context parallelism
     # (halo'd convs, KCP) supply only the short convs and the recurrence: projections -> [convs] ->
     # activations -> [kernel] -> output.
-    def projections(self, x: torch.Tensor, project_f: bool = True):
+    def projections(self, x: torch.Tensor, parts=None, project_f: bool = True):
         """x [B,T,D] -> q, k, v before their short convs [B,T,H*K] each, the gate's raw input f [B,T,H,K]
         (before A_log and dt_bias), the raw beta logits b [B,T,H] and the output gate's logits [B,T,H*K].
+        ``parts``: the six first projections of x (q, k, v, f_a, b, the output gate's first) when the caller computed
+        them (inference's fused matmul, ``k3.layers.fuse``); else ``_stacked``'s matmul.
         ``project_f=False``: f is the gate's low-rank input f_a [B,T,K] instead (the decode kernel applies
-        ``f_b_proj`` itself). Without a decode state ``stateless_inputs`` makes all of them in one matmul."""
-        B, T, _ = x.shape
-        if use_fused(self.in_proj):  # inference: one matmul for every projection of x
-            q, k, v, fa, b, g = F.linear(x, self.in_proj).split(self._in_sizes, dim=-1)
+        ``f_b_proj`` itself)."""
+        if parts is None:
+            qkv, fa, b, g = self._stacked(x)
+            q, k, v = qkv.split(self.q_proj.out_features, dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            fa, b = self.f_a_proj(x), self.b_proj(x)
-            g = self.g_proj(x) if hasattr(self, "g_proj") else self.g_a_proj(x)
-        if not hasattr(self, "g_proj"):  # Kimi Linear's low-rank output gate
+            q, k, v, fa, b, g = parts
+        return (q, k, v, *self._gates(fa, b, g, project_f))
+
+    def _stacked(self, x: torch.Tensor):
+        """q, k, v (side by side [B,T,3*H*K]), f_a and the output gate's first projection as ONE matmul over their
+        stacked weights (one launch instead of five, forward and backward, and x's gradient two GEMMs instead of six
+        and five adds), and b [B,T,H]. b_proj (H outputs) stays its own matmul: with it the stacked width is not a
+        multiple of 8 and cuBLAS falls back to slow unaligned kernels."""
+        gate_proj = self.g_proj if self.full_rank_gate else self.g_a_proj
+        qkv, fa, g = stacked_linear(x, [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate_proj],
+                                    [3 * self.q_proj.out_features, self.f_a_proj.out_features, gate_proj.out_features])
+        return qkv, fa, self.b_proj(x), g
+
+    def _gates(self, fa, b, g, project_f: bool = True):
+        """-> f (f_b_proj applied unless ``project_f=False``), b, the output gate's logits [B,T,H*K]."""
+        if not self.full_rank_gate:  # Kimi Linear's low-rank output gate
             g = self.g_b_proj(g)
         if not project_f:
-            return q, k, v, fa, b, g
-        return q, k, v, self.f_b_proj(fa).view(B, T, self.num_heads, self.head_dim), b, g
+            return fa, b, g
+        B, T, _ = fa.shape
+        return self.f_b_proj(fa).view(B, T, self.num_heads, self.head_dim), b, g
 
     def activations(self, q, k, v, f, b, conv_silu: bool = False):
         """After the convs: per-head L2-normalised q, k and v [B,T,H,K], log-decay g [B,T,H,K] fp32, beta
@@ -127,43 +142,28 @@ class KimiDeltaAttention(nn.Module):
     def output(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """o [B,T,H,K] from the recurrence -> per-head RMSNorm gated by sigmoid(gate) -> o_proj -> [B,T,D]."""
         B, T, H, K = o.shape
-        if proj_decode_applies(o, B * T, KDA_ROWS, self.o_proj.weight, kda_output_width(H, K)) and \
-                gate.dtype == self.o_proj.weight.dtype:
-            # a decode step's few rows on CUDA: the gated norm and o_proj in one kernel (k3.ops.proj_decode)
-            y = kda_output_decode(o.reshape(B * T, H, K), gate.reshape(B * T, H * K), self.o_norm.weight,
-                                  self.o_norm.eps, self.o_proj.weight)
-            return y.view(B, T, -1)
         o = self.o_norm(o, gate.view(B, T, H, K))
         return self.o_proj(o.reshape(B, T, H * K).to(gate.dtype))
 
     def stateless_inputs(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, conv=None):
-        """``projections`` and the short convs without a decode state (training, a plain forward): q, k, v, f_a and
-        the output gate's first projection as ONE matmul over their stacked weights, and ONE depthwise conv over the
-        stacked q/k/v channels (the same per-channel arithmetic; one launch each instead of five and three, forward
-        and backward, and x's gradient two GEMMs instead of six and five adds). b_proj (H outputs) stays its own
-        matmul: with it the stacked width is not a multiple of 8 and cuBLAS falls back to slow unaligned kernels.
-        -> q, k, v [B,T,H*K] after their convs and before the convs' SiLU (views of one tensor), f [B,T,H,K], b
-        [B,T,H], gate [B,T,H*K]. The SiLU is left to ``activations(..., conv_silu=True)``, where it fuses with the
-        L2 norms and the conv's backward has no activation to recompute. ``conv(y, taps) -> y`` replaces the short
-        conv, without its activation (context parallelism's halo'd conv)."""
-        B, T, _ = x.shape
-        gate_proj = self.g_proj if hasattr(self, "g_proj") else self.g_a_proj
-        qkv, fa, g = stacked_linear(x, [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate_proj],
-                                    [3 * self.q_proj.out_features, self.f_a_proj.out_features, gate_proj.out_features])
+        """``projections`` and the short convs without a decode state (training, a plain forward): ONE depthwise conv
+        over the stacked q/k/v channels (the same per-channel arithmetic; one launch instead of three). -> q, k, v
+        [B,T,H*K] after their convs and before the convs' SiLU (views of one tensor), f [B,T,H,K], b [B,T,H], gate
+        [B,T,H*K]. The SiLU is left to ``activations(..., conv_silu=True)``, where it fuses with the L2 norms and the
+        conv's backward has no activation to recompute. ``conv(y, taps) -> y`` replaces the short conv, without its
+        activation (context parallelism's halo'd conv)."""
+        qkv, fa, b, g = self._stacked(x)
         taps = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
         qkv = conv(qkv, taps) if conv is not None else short_conv(qkv, taps, None, cu_seqlens, False,
                                                                   activation=False, backend=self.backend)[0]
-        if not hasattr(self, "g_proj"):  # Kimi Linear's low-rank output gate
-            g = self.g_b_proj(g)
-        f = self.f_b_proj(fa).view(B, T, self.num_heads, self.head_dim)
-        return (*qkv.split(self.q_proj.out_features, dim=-1), f, self.b_proj(x), g)
+        return (*qkv.split(self.q_proj.out_features, dim=-1), *self._gates(fa, b, g))
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, state: KDAState | None = None,
                 output_state: bool = False) -> tuple[torch.Tensor, KDAState | None]:
         T = x.shape[1]
         want = output_state or state is not None
-        stateless = not (want or use_fused(self.in_proj))
-        if not stateless:  # a decode state in and out: each conv keeps its own tail
+        stateless = not want
+        if want:  # a decode state in and out: each conv keeps its own tail
             q, k, v, f, b, gate = self.projections(x)
             q, cq = self.q_conv1d(q, state and state.conv_q, cu_seqlens, want, self.backend)
             k, ck = self.k_conv1d(k, state and state.conv_k, cu_seqlens, want, self.backend)

@@ -9,8 +9,8 @@ Two attention paths, chosen in ``forward``:
   (``attend_documents``, the CPU path and the reference); one SDPA call for unpacked rows;
 - absorbed (decode): fold W_uk into the query, attend in the R-dim latent space (MQA style), apply W_uv after.
 
-With ``track_max_logit = True`` a training forward also records ``max_logit`` [H] fp32, the largest
-pre-softmax logit of each head (running max until k3.train.qk_clip resets it), for QK-clip (SPEC §5).
+Given a ``Statistics`` that asks for ``max_logit``, the forward also records the largest pre-softmax logit of each
+head [H] fp32 (QK-clip, SPEC §5), returned in the model's output.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from ...ops.max_logit import causal_max_logit
 from ...ops.precision import compute_dtype
 from ...ops.regions import region
 from ...ops.varlen import GROUP_OVERHEAD, cached_plan, document_starts, grouped_documents
-from ..fuse import fuse_linears, stacked_linear, use_fused
+from ..fuse import fuse_linears, stacked_linear
 from ..norm import RMSNorm
+from ..stats import Statistics
 from .rope import rope_frequencies, rotary, softmax_scale
 
 
@@ -144,10 +145,9 @@ class GatedMLA(nn.Module):
         self.use_rope, self.rope_theta, self.rope_scaling = not config.mla_use_nope, config.rope_theta, config.rope_scaling
         self.fp32_attention = True  # attention output kept in fp32 while training (SPEC §2.2)
         self.varlen_attention = True  # packed documents on CUDA: one flash varlen call (attend_varlen) when it can run
-        self.track_max_logit = False  # QK-clip (SPEC §5): record per-head max logits in training forwards
-        self.max_logit: torch.Tensor | None = None  # [H] fp32
         qd = H * config.qk_head_dim
-        if config.q_lora_rank:
+        self.q_lora = bool(config.q_lora_rank)  # the query through a low-rank bottleneck (q_a, norm, q_b)
+        if self.q_lora:
             self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=1e-6)
             self.q_b_proj = nn.Linear(config.q_lora_rank, qd, bias=False)
@@ -162,22 +162,21 @@ class GatedMLA(nn.Module):
 
     def fuse_projections(self) -> None:
         """Inference: the query's first projection, the latent projection and the output gate become one matmul."""
-        first = self.q_a_proj if hasattr(self, "q_a_proj") else self.q_proj
+        first = self.q_a_proj if self.q_lora else self.q_proj
         self.in_proj, self._in_sizes = fuse_linears([first, self.kv_a_proj_with_mqa]
                                                     + ([self.g_proj] if self.g_proj is not None else []))
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> MLAInputs:
-        """x [B,T,D] -> queries, the latents the cache stores, and the output gate (``positions`` [B,T] for RoPE)."""
+    def project(self, x: torch.Tensor, positions: torch.Tensor | None = None, parts=None) -> MLAInputs:
+        """x [B,T,D] -> queries, the latents the cache stores, and the output gate (``positions`` [B,T] for RoPE).
+        ``parts``: the first projections of x (query, latent, gate) when the caller computed them (inference's
+        fused matmul, ``k3.layers.fuse``); else one matmul over their stacked weights (x's gradient one GEMM)."""
         B, T, _ = x.shape
-        first = self.q_a_proj if hasattr(self, "q_a_proj") else self.q_proj
-        if use_fused(self.in_proj):  # inference: one matmul for every projection of x
-            parts = F.linear(x, self.in_proj).split(self._in_sizes, dim=-1)
-            q, kv, gate = parts[0], parts[1], parts[2] if len(parts) > 2 else None
-        else:  # the same projections as one matmul over their stacked weights (x's gradient one GEMM, no adds)
+        first = self.q_a_proj if self.q_lora else self.q_proj
+        if parts is None:
             parts = stacked_linear(x, [first, self.kv_a_proj_with_mqa] + ([self.g_proj] if self.g_proj is not None
                                                                           else []))
-            q, kv, gate = parts[0], parts[1], parts[2] if len(parts) > 2 else None
-        if hasattr(self, "q_a_proj"):
+        q, kv, gate = parts[0], parts[1], parts[2] if len(parts) > 2 else None
+        if self.q_lora:
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(B, T, self.num_heads, self.nope + self.pe)
         q_nope, q_pe = q.split([self.nope, self.pe], dim=-1)
@@ -193,9 +192,10 @@ class GatedMLA(nn.Module):
         the cast for the projection into one kernel each way)."""
         return self.o_proj(region("mla_output", _gated_output, o, gate, self.o_proj.weight.dtype))
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Naive path over a whole (packed) sequence: training and prefill without a cache."""
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                stats: Statistics | None = None) -> torch.Tensor:
+        """Naive path over a whole (packed) sequence: training and prefill without a cache. ``stats``: where the
+        per-head max logits go when it asks for them (QK-clip)."""
         B, T, _ = x.shape
         H = self.num_heads
         if self.use_rope and positions is None:
@@ -204,7 +204,7 @@ class GatedMLA(nn.Module):
         k_nope, v = self.kv_b_proj(inp.c_kv).view(B, T, H, self.nope + self.dv).split([self.nope, self.dv], dim=-1)
         q = inp.query()  # [B,T,H,Dn+Dr]
         k = torch.cat([k_nope, inp.k_pe[:, :, None, :].expand(B, T, H, self.pe)], dim=-1)
-        track = self.track_max_logit and self.training
+        track = stats is not None and stats.max_logit is not None
         if cu_seqlens is not None and B != 1:
             raise ValueError(f"packed documents (cu_seqlens) come in batch 1; got batch {B}")
         if cu_seqlens is not None and self.varlen_attention and varlen_attention_available(q):
@@ -220,8 +220,8 @@ class GatedMLA(nn.Module):
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
                 m = causal_max_logit(q, k, self.scale) if track else None
             o = o.transpose(1, 2)  # [B,T,H,Dv]
-        if m is not None:
-            self.max_logit = m if self.max_logit is None else torch.maximum(self.max_logit, m)
+        if track:
+            stats.add_max_logit(self.layer_idx, m)
         return self.output(o.reshape(B, T, H * self.dv), inp.gate)
 
     def absorbed_weights(self):

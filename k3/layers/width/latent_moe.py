@@ -12,19 +12,17 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...config import K3Config
 from ...ops.grouped_mm import grouped_mm
-from ...ops.moe_decode import decode_applies, expert_decode
-from ...ops.proj_decode import MOE_ROWS, moe_output_decode, moe_output_width, proj_decode_applies
 from ...ops.mx import fake_quant_mxfp4, fake_quant_mxfp8
 from ...ops.regions import region
 from ...ops.routing import bincount, combine_rows, dispatch_rows, inverse_permutation
 from ...ops.situ import glu
-from ..fuse import fuse_linears, use_fused
+from ..fuse import fuse_linears
 from ..norm import RMSNorm
+from ..stats import Statistics
 from .mlp import GatedMLP
 from .router import Router
 
@@ -55,18 +53,9 @@ class ExpertBank(nn.Module):
         The routing weight scales each row BEFORE the down projection, w (h W2^T) = (w h) W2^T: autograd then
         saves h and w h [M,I] in the compute dtype instead of the expert output [M,L] in fp32, and forms the
         weight's gradient as rowsum(h * (dy W2)) from the act output and the gradient the down projection needs
-        anyway (SonicMoE's rewrite); equal to weighting afterwards up to float rounding."""
-        rows = self.decode_rows(z, weights, idx)
-        if rows is not None:
-            return rows.sum(1)
+        anyway (SonicMoE's rewrite); equal to weighting afterwards up to float rounding. (A decode step's few rows
+        take fused kernels instead: k3.inference.fast.)"""
         return route_to_experts(z, weights, idx, self.w1.shape[0], self.compute)
-
-    def decode_rows(self, z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
-        """A few tokens on CUDA, no gradient: each routed row's weighted output [N,k,L] fp32 from two fused kernels
-        (``k3.ops.moe_decode``); None where that path does not apply."""
-        if self.qat is None and decode_applies(z, idx):
-            return expert_decode(z, weights, idx, self.w1, self.w3, self.w2, self.act, self.b1, self.b2)
-        return None
 
     def compute(self, x: torch.Tensor, counts: torch.Tensor, row_weights: torch.Tensor | None = None) -> torch.Tensor:
         """x [M,L] sorted by expert, counts [E], row_weights [M,1] (or None) -> each row's expert output [M,L]."""
@@ -105,9 +94,10 @@ def expert_glu(x, counts, w1, w3, w2, act: str, b1: float, b2: float, qat: str |
 
 
 class LatentMoE(nn.Module):
-    def __init__(self, config: K3Config):
+    def __init__(self, config: K3Config, layer_idx: int = 0):
         super().__init__()
         D = config.hidden_size
+        self.layer_idx = layer_idx  # names its routing in the forward's Statistics
         self.gate = Router(config)
         if config.latent_moe:
             L = config.routed_expert_hidden_size
@@ -119,8 +109,6 @@ class LatentMoE(nn.Module):
         self.experts = ExpertBank(config)
         shared = config.moe_intermediate_size * config.num_shared_experts
         self.shared_experts = GatedMLP(config, D, shared) if shared else None
-        self.record_routing = False  # the trainer's balancer reads self.last_routing when set
-        self.last_routing: tuple[torch.Tensor, torch.Tensor] | None = None
         self.in_proj: torch.Tensor | None = None  # down projection and shared gate/up in one (fuse_projections)
         self.out_proj: torch.Tensor | None = None  # latent up projection and shared down in one (fuse_projections)
 
@@ -139,50 +127,24 @@ class LatentMoE(nn.Module):
         if self.shared_experts is not None and self.routed_expert_up_proj is not None:
             self.out_proj, _ = fuse_linears([self.routed_expert_up_proj, self.shared_experts.down_proj], by_input=True)
 
-    def _decode_output(self, x, fused, z, weights, idx) -> torch.Tensor | None:
-        """A decode step's few rows on CUDA: the routed experts' rows from their fused kernels, then ONE kernel for
-        the sum over k, the latent norm, the shared experts' activation and the fused output projection
-        (``k3.ops.proj_decode.moe_output_decode``). None where that path does not apply (then the general one)."""
-        if self.shared_experts is None or self.routed_expert_up_proj is None or not use_fused(self.out_proj):
-            return None
-        L, Is = self._in_sizes[0], self._in_sizes[-1]
-        if not proj_decode_applies(x, x.shape[0], MOE_ROWS, self.out_proj, moe_output_width(L, Is)):
-            return None
-        decode_rows = getattr(self.experts, "decode_rows", None)  # a packed MXFP4 bank has its own decode path
-        rows = decode_rows(z, weights, idx) if decode_rows is not None else None
-        if rows is None:
-            return None
-        norm = self.routed_expert_norm
-        return moe_output_decode(rows, fused, L, L + Is, Is, norm.weight if norm is not None else None,
-                                 norm.eps if norm is not None else 0.0, self.out_proj, self.shared_experts.act,
-                                 self.shared_experts.b1, self.shared_experts.b2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, stats: Statistics | None = None) -> torch.Tensor:
+        """x [...,D] -> [...,D]. ``stats``: where the routing goes when it asks for it (Quantile Balancing). The
+        fused projections and a decode step's kernels are inference's (k3.inference.fast)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N,D]
         weights, idx, scores = self.gate(x)
-        if self.record_routing:
-            self.last_routing = (scores.detach(), idx.detach())
-        shared = h_shared = None
-        if use_fused(self.in_proj):  # inference: z and the shared experts' gate/up from one matmul
-            fused = F.linear(x, self.in_proj)
-            parts = fused.split(self._in_sizes, dim=-1)
-            z = parts[0] if self.routed_expert_down_proj is not None else x
-            y = self._decode_output(x, fused, z, weights, idx)
-            if y is not None:
-                return y.reshape(shape)
-            h_shared = self.shared_experts.activation(*parts[-2:])
-            if not use_fused(self.out_proj):
-                shared = self.shared_experts.down_proj(h_shared)
-        else:
-            z = self.routed_expert_down_proj(x) if self.routed_expert_down_proj is not None else x
+        if stats is not None and stats.routing is not None:
+            stats.add_routing(self.layer_idx, scores, idx)
+        z = self.routed_expert_down_proj(x) if self.routed_expert_down_proj is not None else x
         u = region("moe_experts", self.experts, z, weights, idx)  # [N,L] fp32; recomputable from the dispatch input
-        if self.routed_expert_norm is not None:
-            u = self.routed_expert_norm(u)
-        u = u.to(x.dtype)
-        if h_shared is not None and use_fused(self.out_proj):  # up(u) + down(h_shared) as one matmul
-            return F.linear(torch.cat([u, h_shared], dim=-1), self.out_proj).reshape(shape)
+        u = self.latent_norm(u, x.dtype)
         y = self.routed_expert_up_proj(u) if self.routed_expert_up_proj is not None else u
         if self.shared_experts is not None:
-            y = y + (shared if shared is not None else self.shared_experts(x))
+            y = y + self.shared_experts(x)
         return y.reshape(shape)
+
+    def latent_norm(self, u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The routed experts' sum u [N,L] fp32 -> the latent RMSNorm (when the layer has it) -> ``dtype``."""
+        if self.routed_expert_norm is not None:
+            u = self.routed_expert_norm(u)
+        return u.to(dtype)

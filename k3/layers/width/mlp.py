@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...config import K3Config
 from ...ops.situ import glu
-from ..fuse import fuse_linears, use_fused
+from ..fuse import fuse_linears
 
 
 class GatedMLP(nn.Module):
@@ -29,6 +28,4 @@ class GatedMLP(nn.Module):
         return glu(gate, up, self.act, self.b1, self.b2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_fused(self.in_proj):
-            return self.down_proj(self.activation(*F.linear(x, self.in_proj).split(self._in_sizes, dim=-1)))
         return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from ...config import K3Config
-from ...ops.router_decode import router_decode, router_decode_applies
 from ...ops.routing import router_scores, select_experts
 
 
@@ -25,10 +24,8 @@ class Router(nn.Module):
         self.scaling, self.score_func = config.routed_scaling_factor, config.moe_router_activation_func
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [N,D] -> (weights [N,k] fp32, indices [N,k], scores [N,E] fp32)."""
-        if router_decode_applies(x, self.top_k, self.score_func):  # a few tokens on CUDA, no gradient: 1 kernel
-            return router_decode(x, self.weight, self.e_score_correction_bias, self.top_k, self.renormalize,
-                                 self.scaling)
+        """x [N,D] -> (weights [N,k] fp32, indices [N,k], scores [N,E] fp32). (A decode step's few tokens take one
+        fused kernel instead: k3.inference.fast.)"""
         with torch.autocast(x.device.type, enabled=False):  # fp32 scores (SPEC §4); autocast would run bf16
             scores = router_scores(x.float() @ self.weight.float().T, self.score_func)
         w, idx = select_experts(scores, self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
